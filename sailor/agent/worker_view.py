@@ -72,6 +72,7 @@ class SupervisorStatus:
     _doomed: list[WorkerView]
     _restoring: bool
     failure: str
+    generation: int
     warm_spares: int
     _spare_failures: int
 
@@ -95,14 +96,22 @@ class SupervisorStatus:
 
     @property
     def held_failure(self) -> str:
-        """Why the held workers' world broke ('' if none did)."""
-        return next((w.broken for w in self.workers if w.held and w.broken), "")
+        """Why the held workers' world of this generation broke ('' if none did). Only this
+        generation's: an in-place launch takes its generation number before it hands the
+        held workers their new ranks, with awaits between (the hand-over hook, the run
+        directory's files), and a status written meanwhile carried the new generation with
+        the old world's break; the controller aborted the new generation for it."""
+        return next((w.broken for w in self._held_broken()), "")
 
     @property
     def held_culprit(self) -> int:
         """The rank the held worker whose cause is :attr:`held_failure` names as guilty
         (-1: none)."""
-        return next((w.culprit for w in self.workers if w.held and w.broken), -1)
+        return next((w.culprit for w in self._held_broken()), -1)
+
+    def _held_broken(self) -> list[WorkerView]:
+        """The held workers of this generation whose world broke."""
+        return [w for w in self.workers if w.held and w.broken and w.generation == self.generation]
 
     @property
     def held_step(self) -> int:

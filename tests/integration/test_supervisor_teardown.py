@@ -438,6 +438,34 @@ async def test_a_leftover_held_worker_ending_at_sigterm_is_no_failure(tmp_path: 
         kill_known(child)
 
 
+async def test_a_held_break_is_not_reported_as_the_next_generations(tmp_path: Path) -> None:
+    """Generation 1's world broke (a peer died): its held worker says why, and the status
+    carries it. An in-place launch of generation 2 takes the generation number first and
+    hands the held worker its rank later, with awaits between (the hand-over hook, the run
+    directory's files): a status written in that window carried generation 2, held, with
+    generation 1's break, and the controller aborted generation 2 for it ("during launch:
+    worker world broke") and fell back to the restart path (seen in `sailor demo` on a
+    loaded host). Now a held break is reported for its own generation only."""
+    sup = Supervisor(tmp_path, worker_argv=SLEEPER)
+    cause = "RuntimeError: Connection closed by peer [127.0.0.1]:49037"
+    seen: list[tuple[int, str, str, int]] = []
+
+    async def handover() -> None:  # inside the launch, as the agent's quota hook runs
+        seen.append((sup.generation, sup.state, sup.held_failure, sup.held_culprit))
+
+    try:
+        (w0,) = await _holding(sup, tmp_path, [SLEEPER])
+        w0.broken, w0.culprit, sup.generation = cause, 1, 1
+        assert (sup.state, sup.held_failure, sup.held_culprit) == ("held", cause, 1)
+        sup.on_handover = handover
+        await sup.launch(_in_place(2))
+        assert [s[0] for s in seen] == [2], seen  # the window: generation 2 already
+        assert all(s[2:] == ("", -1) for s in seen), seen
+        assert sup.workers == [w0] and (sup.held_failure, sup.failure) == ("", "")
+    finally:
+        await sup.close()
+
+
 async def test_a_second_stuck_group_does_not_make_the_first_forgotten(tmp_path: Path) -> None:
     """A leftover of an in-place launch outlives SIGKILL, then the new generation's worker
     does too at the abort. Before, the second report replaced the first: once the second

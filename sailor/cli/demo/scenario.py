@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import RenderableType
 
@@ -32,7 +33,7 @@ from sailor.cli.demo.plot import throughput_series
 from sailor.cli.demo.reconfig import Injection
 from sailor.localservers import ADMIN
 
-__all__ = ["DemoSettings", "DemoTimeoutError", "Driver", "Scenario"]
+__all__ = ["DemoSettings", "DemoTimeoutError", "Driver", "Scenario", "stuck_note"]
 
 
 class DemoTimeoutError(RuntimeError):
@@ -66,6 +67,24 @@ class DemoSettings:
             raise ValueError(f"min_step_s={self.min_step_s}: must be finite and >= 0")
         if not 0 < self.poll_s < math.inf:
             raise ValueError(f"poll_s={self.poll_s}: must be finite and > 0")
+
+
+def stuck_note(view: ClusterView, records: Sequence[dict[str, Any]]) -> str:
+    """What the cluster was doing when a wait ran out, for its error: the desired state's
+    phase, generation and cause, each registered node's state, and the nodes the controller
+    last left out of every layout (the audit's newest ``not_admitted`` record: another
+    Sailor release, say, which a node started from a checkout edited since the others
+    runs), with why. A failed run's one line then says what it waited on."""
+    cause = f" ({view.cause[:200]})" if view.cause else ""
+    parts = [f"desired: {view.phase}, generation {view.generation}{cause}"]
+    nodes = ", ".join(f"{r.node} {r.state}" for r in view.nodes)
+    parts.append(f"nodes: {nodes or 'none registered'}")
+    left_out = next((r for r in reversed(records) if r.get("kind") == "not_admitted"), None)
+    refused = left_out.get("nodes") if left_out is not None else None
+    if isinstance(refused, dict) and refused:
+        why = "; ".join(f"{n}: {str(reason)[:300]}" for n, reason in sorted(refused.items()))
+        parts.append(f"not admitted: {why}")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -113,8 +132,18 @@ class Driver:
             if ok():
                 return
             if time.monotonic() > end:
-                raise DemoTimeoutError(f"{what}: not within {self.settings.phase_timeout_s:.0f} s")
+                limit = f"{what}: not within {self.settings.phase_timeout_s:.0f} s"
+                raise DemoTimeoutError(f"{limit}; {stuck_note(self.view, self._audit())}")
             await asyncio.sleep(self.settings.poll_s)
+
+    def _audit(self) -> list[dict[str, Any]]:
+        """The controllers' audit records so far ([] if they cannot be read)."""
+        from sailor.controller.audit import read_records
+
+        try:
+            return read_records(self.cluster.audit_logs())
+        except Exception:  # the error it is for must still be raised
+            return []
 
     async def current(self, gen: int) -> int:
         """The generation running now, ``gen`` or a later one: a replan (the online fit's)
