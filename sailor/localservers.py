@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -328,7 +329,12 @@ def _run_async(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
         ex.submit(lambda: asyncio.run(make())).result()
 
 
-def _apply_rbac(endpoint: str | Sequence[str], pki: Path, ids: Identities) -> None:
+def _apply_rbac(
+    endpoint: str | Sequence[str],
+    pki: Path,
+    ids: Identities,
+    exited: Callable[[], list[str]] = list,
+) -> None:
     from sailor.coordination.errors import TemporaryError
     from sailor.coordination.etcd_auth import apply_rbac
     from sailor.coordination.etcd_store import connect_etcd
@@ -347,7 +353,12 @@ def _apply_rbac(endpoint: str | Sequence[str], pki: Path, ids: Identities) -> No
             try:
                 store = await connect_etcd(endpoint, op_timeout=10.0, security=admin)
                 break
-            except TemporaryError:
+            except TemporaryError as exc:
+                # a member gone (its port taken since free_port: another process answered
+                # the wait, and now the handshake): on new ports, not 30 s of retries
+                gone = exited()
+                if gone:
+                    raise ProcessExitedError(f"{', '.join(gone)} exited: {exc}") from exc
                 if time.monotonic() > end:
                     raise
                 await asyncio.sleep(0.2)
@@ -445,10 +456,14 @@ def start_local_servers(
             for m in up:
                 m.wait()
             if pki is not None:
-                _apply_rbac(servers.etcd_endpoints, pki, ids)
-        except ProcessExitedError:
+                _apply_rbac(servers.etcd_endpoints, pki, ids, functools.partial(_exited, up))
+        except Exception as exc:
+            # a member that exited (a port taken before it bound it: the wait may have
+            # been answered by the process that took it) is started again on new ports;
+            # any other error is the caller's
+            gone = isinstance(exc, ProcessExitedError) or bool(_exited(up))
             servers.stop()
-            if attempt + 1 == _PORT_ATTEMPTS:
+            if not gone or attempt + 1 == _PORT_ATTEMPTS:
                 raise
             for d in root.glob("nats*"):  # fresh data, as on the first try
                 if d.is_dir():
@@ -464,6 +479,11 @@ def start_local_servers(
 
 
 _PORT_ATTEMPTS = 3
+
+
+def _exited(members: Sequence[ServerProcess]) -> list[str]:
+    """The names of ``members`` whose process has exited."""
+    return [m.name for m in members if not m.running]
 
 
 @contextmanager
