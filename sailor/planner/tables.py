@@ -422,8 +422,8 @@ class CostTables:
         curve, note = inter_curve(inp.network, ra, rb)
         if note:
             self.notes.append(note)
-        _, fixed = inp.calibration.p2p_between(a.gpu_type, b.gpu_type)
-        eff = inp.calibration.p2p_link_eta(a.gpu_type, b.gpu_type).on(curve.max_gbps)
+        etas, fixed = inp.calibration.p2p_link(a.gpu_type, b.gpu_type)
+        eff = etas.on(curve.max_gbps)
         copies = self.p2p_copies(a, b)
         # one copy crossing: the receiving TP group all-gathers it (stage b forward, a back)
         cal = inp.calibration

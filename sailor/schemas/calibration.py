@@ -431,10 +431,13 @@ class Calibration(DeploymentStructure):
         cals = [self.for_gpu(g) for g in gpu_types]
         return min(c.p2p_eta for c in cals), max(c.p2p_fixed_s for c in cals)
 
-    def p2p_link_eta(self, *gpu_types: str) -> LinkEta:
-        """The p2p efficiency of a boundary between stages of ``gpu_types``, by link."""
+    def p2p_link(self, *gpu_types: str) -> tuple[LinkEta, float]:
+        """(p2p efficiency by link, fixed cost per transfer) of a pipeline boundary between
+        stages of ``gpu_types``: :meth:`p2p_between` with the efficiencies taken on the link
+        at hand (:class:`LinkEta`)."""
         cals = [self.for_gpu(g) for g in dict.fromkeys(gpu_types)]
-        return LinkEta(tuple((c.p2p_eta, c.efficiency_link_gbps) for c in cals))
+        etas = LinkEta(tuple((c.p2p_eta, c.efficiency_link_gbps) for c in cals))
+        return etas, max(c.p2p_fixed_s for c in cals)
 
     def network_link_eta(self, *gpu_types: str) -> LinkEta:
         """The collectives' efficiency of a ring among nodes of ``gpu_types``, by link."""

@@ -131,7 +131,7 @@ def _kind(inp: SimInputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineK
     for i in range(len(row) - 1):
         a, b = p.stages[i].replica, p.stages[i + 1].replica
         out = p.microbatch_size * inp.wire(row[i].sizes[-1])
-        _, fixed = cal.p2p_between(a.gpu_type, b.gpu_type)
+        etas, fixed = cal.p2p_link(a.gpu_type, b.gpu_type)
         same_node = bool(a.node_id) and a.node_id == b.node_id
         if same_node:
             # the boundary's bytes over one GPU pair's link (a mesh node's pair link, not
@@ -159,7 +159,7 @@ def _kind(inp: SimInputs, p: Pipeline, pkey: _PipeKey, mask: float) -> PipelineK
                 gather_b = _gather(inp, a.gpu_type, a.tp, out)
             node_f = a.tp * (out / a.tp + mask)
             node_b = float(out)
-        eff = cal.p2p_link_eta(a.gpu_type, b.gpu_type).on(curve.max_gbps)
+        eff = etas.on(curve.max_gbps)
         t_f = fixed + curve.transfer_time(node_f) / eff + gather_f
         t_b = fixed + curve.transfer_time(node_b) / eff + gather_b
         row[i] = _replace(row[i], send_f=t_f, send_b=t_b)

@@ -65,9 +65,9 @@ def test_the_prior_is_read_on_gh200_links_and_taken_on_a_slow_link() -> None:
     assert cal.prior is not None and cal.prior.efficiency_link_gbps == GH
     for name, c in corners(cal):
         d = c.for_gpu("RTX-3090")  # no measurements: the prior
-        assert c.p2p_link_eta("RTX-3090").on(GH) == d.p2p_eta, name
+        assert c.p2p_link("RTX-3090")[0].on(GH) == d.p2p_eta, name
         assert c.network_link_eta("RTX-3090").on(GH) == d.network_efficiency, name
-        assert c.p2p_link_eta("RTX-3090").on(0.115) > 0.99, name  # a 1 Gb/s link
+        assert c.p2p_link("RTX-3090")[0].on(0.115) > 0.99, name  # a 1 Gb/s link
         assert c.network_link_eta("RTX-3090").on(0.115) > 0.99, name
     low = dict(corners(cal))["pessimistic"]
     assert low.network_link_eta("A100-40").on(6.04) == pytest.approx(0.78, abs=0.01)
