@@ -24,6 +24,10 @@ corner, and the best median-corner ratio among those. When none is, no ranking r
 candidates can meet ">= 1.0x in every corner"; when the best median among them is below 1.15,
 no rule can meet both targets (planner_dominance.py asks the same of a regular grid of plans).
 
+Last, the original corner beside the original's own simulator on every imported plan
+(``planner_results/`` records the it/s that simulator gave each): the original corner is that
+model as ORIGINAL.md describes it, and this says, plan by plan, how closely.
+
 Run: ``python benchmarks/planner_scenarios.py [--quick] [--models OPT-350]``. Prints; never
 asserts a timing.
 """
@@ -158,6 +162,7 @@ def run(
         obj = sc.get("objective", "throughput")
         cost = obj == "cost"
         plans: dict[str, Plan | str] = {}
+        scored_by_original: dict[str, float] = {}  # it/s by the original's own simulator
         cpu: dict[str, float] = {}
         for risk in RISKS:
             res, _, c = _timed_cpu(
@@ -180,9 +185,11 @@ def run(
         if model == "OPT-350":
             fig, i = sc["ref"]
             plans["original"] = _import(s, ref[fig][i])
+            scored_by_original["original"] = ref[fig][i]["throughput"]
             for f, j in sc.get("peers", []):
                 data = json.loads((REFERENCE / "planner_results" / f).read_text())
                 plans[f.split("_")[0]] = _import(s, data[j])
+                scored_by_original[f.split("_")[0]] = data[j]["throughput"]
         for name, fn in (("megatron", megatron_grid), ("het.-blind", heterogeneity_blind)):
             try:
                 b = fn(
@@ -220,6 +227,7 @@ def run(
             "judged": judged,
             "cpu": cpu,
             "cons": cons,
+            "scored_by_original": scored_by_original,
         }
         if "original" in judged:
             o = judged["original"]
@@ -389,6 +397,23 @@ def main() -> None:
                     f"| {r['scenario']} | {d['kept']} | {d['dominating']} | "
                     f"{d['best_median_dominating']:.2f} | {d['best_min']:.2f} |"
                 )
+            print(
+                "\nThe original corner against the original's own simulator (the it/s "
+                "planner_results/ records for each imported plan): how far the original "
+                "corner's verdicts can be trusted, plan by plan:\n"
+            )
+            print("| scenario | plan | original corner it/s | original's simulator it/s | ratio |")
+            print("|---|---|---|---|---|")
+            for r in rows:
+                for name, thr in r["scored_by_original"].items():
+                    e = r["judged"].get(name)
+                    if e is None:
+                        print(f"| {r['scenario']} | {name} | not importable | {thr:.4f} | |")
+                        continue
+                    mine = e["original"].throughput_iter_s
+                    print(
+                        f"| {r['scenario']} | {name} | {mine:.4f} | {thr:.4f} | {mine / thr:.2f} |"
+                    )
         print(
             "\nevery plan in every corner (it/s, or $/iteration for the cost scenario; "
             "[OOM] out of memory, [limit] breaks the constraint):"
