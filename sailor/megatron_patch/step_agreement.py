@@ -37,13 +37,16 @@ import torch
 import torch.distributed as dist
 
 from sailor.comm import api as comm
+from sailor.comm.codec import PeerObjectError, expect
 from sailor.megatron_patch.clock import synchronize
 
 __all__ = [
     "BAD_LABELS",
+    "HOST_NAME_MAX",
     "NONFINITE",
     "Agreed",
     "agree_step",
+    "gathered_hosts",
     "local_nonfinite",
     "rank_hosts",
     "read_step",
@@ -142,8 +145,32 @@ def rank_hosts(ranks: Sequence[int], group: Any = None) -> str:
     of every streak of non-finite steps (``nonfinite.SkipStreak.observe``: the streak's
     first ranks are named then, whether or not it grows into an agreed error), not only
     when one is raised."""
-    hosts = world_objects(socket.gethostname(), group)
+    hosts = gathered_hosts(world_objects(socket.gethostname(), group))
     return ", ".join(f"rank {r} ({hosts[min(r, len(hosts) - 1)]})" for r in sorted(ranks))
+
+
+HOST_NAME_MAX = 255
+"""The longest host name a peer may send (POSIX ``HOST_NAME_MAX`` is 255 at most; Linux's
+``gethostname`` gives 64): the name goes into an error's text that is kept with the run."""
+
+
+def gathered_hosts(got: list[object]) -> list[str]:
+    """Each rank's host name of :func:`rank_hosts`'s gather (rank ``r``'s at index ``r``),
+    checked: :class:`PeerObjectError` naming the first rank whose object is not a non-empty
+    ``str`` of at most :data:`HOST_NAME_MAX` characters. What a peer sends goes into the
+    text of a non-finite streak's error as it is; a malformed one is its sender's fault
+    (``culprit`` in the failure record), not the receiver's. Pure."""
+    out: list[str] = []
+    for r, g in enumerate(got):
+        host = expect(g, str, r, "its host name")
+        if not 0 < len(host) <= HOST_NAME_MAX:
+            raise PeerObjectError(
+                f"rank {r} sent a host name of {len(host)} characters "
+                f"({host[:40]!r}): 1 to {HOST_NAME_MAX} expected",
+                rank=r,
+            )
+        out.append(host)
+    return out
 
 
 def world_objects(obj: Any, group: Any = None) -> list[Any]:

@@ -35,10 +35,12 @@ data-parallel ring that spans nodes only with an inter-node measurement (or the 
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sailor.comm.codec import PeerObjectError
 from sailor.profiler.procs import check_devices, run_ranks
 from sailor.profiler.timing import Stats
 
@@ -51,6 +53,8 @@ __all__ = [
     "bus_gbps",
     "collective_latencies",
     "fit_allreduce",
+    "gather_times",
+    "gathered_times",
     "run_allreduce_probe",
     "sweep_sizes",
 ]
@@ -232,6 +236,62 @@ def collective_latencies(
     return out
 
 
+_STATS_KEYS = {"median_s": float, "stdev_s": float, "n": int, "mean_s": float}
+"""A size's statistics as a rank sends them (``Stats.to_dict``): each key, its type."""
+
+
+def gathered_times(got: list[object], sizes: list[int]) -> list[dict[str, dict[str, float]]]:
+    """Each rank's times of :func:`_rank_main`'s gather (rank ``r``'s at index ``r``),
+    checked: for each of ``sizes`` (its key ``str(size)``, no other) a ``Stats.to_dict``:
+    finite times >= 0 and a count >= 1. :class:`PeerObjectError` names the first rank whose
+    object is not one, the field and the value: a rank on another node reports every rank's
+    times, and a malformed one would reach the record (or fail its parsing, charged to the
+    receiver) as it is. Pure."""
+    out: list[dict[str, dict[str, float]]] = []
+    keys = {str(b) for b in sizes}
+    for r, g in enumerate(got):
+        if type(g) is not dict or set(g) != keys:
+            shown = sorted(map(str, g))[:8] if type(g) is dict else str(g)[:200]
+            raise PeerObjectError(
+                f"rank {r} sent times {shown}: a dict of the sizes "
+                f"{[str(b) for b in sizes]} expected",
+                rank=r,
+            )
+        for size, stats in g.items():
+            if type(stats) is not dict or set(stats) != set(_STATS_KEYS):
+                raise PeerObjectError(
+                    f"rank {r} sent times[{size!r}]={str(stats)[:200]}: a dict of "
+                    f"{sorted(_STATS_KEYS)} expected",
+                    rank=r,
+                )
+            for key, kind in _STATS_KEYS.items():
+                v = stats[key]
+                ok = isinstance(v, float | int) and type(v) is kind
+                ok = ok and math.isfinite(v) and v >= (1 if kind is int else 0)
+                if not ok:
+                    raise PeerObjectError(
+                        f"rank {r} sent times[{size!r}][{key!r}]={str(v)[:80]}: "
+                        f"{'an int >= 1' if kind is int else 'a finite float >= 0'} expected",
+                        rank=r,
+                    )
+        out.append(g)
+    return out
+
+
+def gather_times(
+    mine: dict[str, dict[str, float]], sizes: list[int]
+) -> list[dict[str, dict[str, float]]]:
+    """Every rank's times (``mine`` this rank's), by rank, checked (:func:`gathered_times`).
+    Collective: one object all-gather over the world, every rank calls it."""
+    import torch.distributed as dist
+
+    from sailor.comm import api as comm
+
+    every: list[object] = [None] * dist.get_world_size()
+    comm.all_gather_object(every, mine)
+    return gathered_times(every, sizes)
+
+
 def _rank_main(argv: list[str] | None = None) -> int:
     import time
 
@@ -248,7 +308,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
     dev = join_group(args, str(cfg.get("device", "cpu")), index, timeout_s=120.0)
     cuda = dev.type == "cuda"
     out: dict[str, dict[str, float]] = {}
-    for nbytes in cfg.get("sizes", [ALLREDUCE_BYTES]):
+    sizes = [int(b) for b in cfg.get("sizes", [ALLREDUCE_BYTES])]
+    for nbytes in sizes:
         buf = torch.zeros(max(1, int(nbytes) // 8), dtype=torch.float64, device=dev)
         times: list[float] = []
         reps = max(_MIN_REPS, min(int(cfg["reps"]), _REP_BYTES // max(1, int(nbytes))))
@@ -266,9 +327,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
         del buf
         if cuda:
             torch.cuda.empty_cache()  # 256 MiB buffers: give each back before the next
-    every: list[dict[str, dict[str, float]] | None] = [None] * args.world_size
-    comm.all_gather_object(every, out)  # a rank on another node reports every rank's times
-    write_result(args, {"rank": args.rank, "times": out, "all": every})
+    # a rank on another node reports every rank's times
+    write_result(args, {"rank": args.rank, "times": out, "all": gather_times(out, sizes)})
     dist.destroy_process_group()
     return 0
 

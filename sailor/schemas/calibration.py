@@ -83,6 +83,13 @@ class LinkEta:
 
     etas: tuple[tuple[float, float | None], ...]
 
+    @classmethod
+    def as_read(cls, eta: float) -> LinkEta:
+        """``eta`` on every link, with no reference link to transport it from: a value meant
+        as it is (the original artifact's η = 1, a test's fixed efficiency), not one read on
+        links of some peak."""
+        return cls(((eta, None),))
+
     def on(self, link_gbps: float) -> float:
         """The efficiency on a link of peak ``link_gbps`` GB/s."""
         return min(eta_on(e, ref, link_gbps) for e, ref in self.etas)

@@ -15,6 +15,12 @@ from pydantic import Field, field_validator, model_validator
 
 from sailor.schemas._base import Frozen, WireMessage, field_error
 from sailor.schemas.events import PreemptionNotice
+from sailor.schemas.generation_reports import (
+    MAX_NODE_LIST,
+    Accusations,
+    SigabrtReports,
+    sorted_node_ids,
+)
 from sailor.schemas.online_calibration import RankTimings
 from sailor.schemas.plan import Plan
 from sailor.schemas.precision import Precision
@@ -92,12 +98,6 @@ MAX_STRETCH = 1024
 the factor used; this bounds what a state may hold at all)."""
 
 
-MAX_NODE_LIST = 4096
-"""Most node ids a list of the desired state about one generation holds (``lost_nodes``,
-``SigabrtReports.nodes``, ``Accusations.named``): more than any layout places (the
-benchmarks go to 512 nodes), so nothing is cut in practice, and a bound all the same on
-what one etcd value carries."""
-
 MAX_DROP_STEPS = 64
 """Most steps ``DesiredState.drop_steps`` holds: the saves given up on since the last commit.
 A job gives up on one per aborted reconfiguration or abandoned periodic save, and commits
@@ -107,14 +107,6 @@ whose oldest forgotten steps stay on disk (a leak, never a wrong deletion)."""
 MAX_AGREED_KINDS = 16
 """Most error types ``DesiredState.agreed_health`` holds: the controller knows three
 (``controller/failure_text.AGREED_ERRORS``); a bound on what a state may hold at all."""
-
-
-def _sorted_ids(field: str, nodes: tuple[str, ...]) -> None:
-    """Raise unless ``nodes`` are node ids, sorted, without repeats."""
-    if list(nodes) != sorted(set(nodes)):
-        raise field_error(field, list(nodes), "must be sorted, without repeats")
-    if any(not n for n in nodes):
-        raise field_error(field, list(nodes), "an empty node id")
 
 
 class NodeHealth(Frozen):
@@ -237,69 +229,6 @@ class PeriodicCheckpoint(Frozen):
         if (self.step >= 0) != bool(self.directory):
             why = "empty, but a save is in flight" if self.step >= 0 else "set, but no save"
             raise field_error("directory", self.directory, f"{why} (step {self.step})")
-        return self
-
-
-class SigabrtReports(Frozen):
-    """The placed nodes whose workers of one generation reported a SIGABRT (NCCL's
-    watchdog giving up on a collective) since its abort (``DesiredState.sigabrt_reports``):
-    an Abort clears an agent's failure, so a report seen in one pass is gone by the next,
-    and the hang rule (``controller/node_health.py``: only SIGABRTs, from at least two
-    nodes and more than half of the placed ones) counts every report of the generation,
-    whichever pass it came in. The empty record (generation -1): none."""
-
-    generation: int = Field(
-        default=-1, ge=-1, description="Generation the reports are of; -1: none."
-    )
-    nodes: tuple[str, ...] = Field(
-        default=(),
-        max_length=MAX_NODE_LIST,
-        description="Placed nodes (sorted) that reported a SIGABRT of that generation.",
-    )
-    cause: str = Field(
-        default="", max_length=256, description="The first SIGABRT's summary, as reported."
-    )
-
-    @model_validator(mode="after")
-    def _all_or_nothing(self) -> SigabrtReports:
-        if (self.generation < 0) != (not self.nodes):
-            raise field_error(
-                "generation",
-                self.generation,
-                f"reports name their generation and nodes ({list(self.nodes)}), the empty "
-                "record (generation -1) neither",
-            )
-        _sorted_ids("nodes", self.nodes)
-        return self
-
-
-class Accusations(Frozen):
-    """Who named whom guilty in one generation (``DesiredState.accusations``): each placed
-    node whose ``peer`` failure named a culprit rank, and the node that ran that rank
-    (``controller/culprits.py``). An accused node is charged alone only once reporters on
-    two nodes other than it named it (or its own failure was reported); the reports come
-    in over several passes (the abort comes at the first, and an Abort clears an agent's
-    failure), so those seen are kept here. The empty record (generation -1): none."""
-
-    generation: int = Field(
-        default=-1, ge=-1, description="Generation the accusations are of; -1: none."
-    )
-    named: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=dict,
-        max_length=MAX_NODE_LIST,
-        description="Reporting node -> the node that ran the rank its first accusation of "
-        "the generation named (one accusation a reporter, a generation).",
-    )
-
-    @model_validator(mode="after")
-    def _all_or_nothing(self) -> Accusations:
-        if (self.generation < 0) != (not self.named):
-            raise field_error(
-                "generation",
-                self.generation,
-                f"accusations name their generation and nodes ({dict(self.named)}), the "
-                "empty record (generation -1) neither",
-            )
         return self
 
 
@@ -529,13 +458,13 @@ class DesiredState(WireMessage):
     @field_validator("lost_nodes")
     @classmethod
     def _lost_sorted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        _sorted_ids("lost_nodes", v)
+        sorted_node_ids("lost_nodes", v)
         return v
 
     @field_validator("launch_waited")
     @classmethod
     def _waited_sorted(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        _sorted_ids("launch_waited", v)
+        sorted_node_ids("launch_waited", v)
         return v
 
     @field_validator("cause", "path_reason", mode="before")

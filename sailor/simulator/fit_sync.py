@@ -16,7 +16,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping
 
-from sailor.schemas import Calibration, Estimate, ModelSpec, Plan
+from sailor.schemas import Calibration, Estimate, ModelSpec, NetworkProfile, Plan
 from sailor.schemas.online_calibration import FittedConstant
 from sailor.simulator.fit_corners import with_all, with_constant
 from sailor.simulator.fit_evidence import (
@@ -81,6 +81,20 @@ def _eta_interval(ar1: float, per_unit: float, comm: float, r: RankEvidence) -> 
     return _eta_of(ar1, per_unit, comm + half), _eta_of(ar1, per_unit, comm - half)
 
 
+def _scales_as_read(cal: Calibration, kinds: list[str], network: NetworkProfile) -> bool:
+    """Whether the all-reduces of a plan of ``kinds`` take at η their time at η = 1 over η,
+    so that one simulation gives what a unit of ``1/η − 1`` adds (``per_unit`` of
+    :func:`_eta_of` is the time at η = 1): no kind's efficiency was read on a link of its
+    own (``GPUCalibration.efficiency_link_gbps`` None: nothing to transport, η applies on
+    every link as it is) and the network profile holds no measured all-reduce of these
+    kinds (a measured latency is paid once, not derated by η: ``network_model.
+    ring_allreduce``). The simulation has every rank on a device of its own (the online
+    fit's), where an all-reduce's time is the ring's."""
+    if any(cal.for_gpu(g).efficiency_link_gbps is not None for g in kinds):
+        return False
+    return not any(c.endpoint.gpu_type in kinds for c in network.collectives)
+
+
 def tied_holders(plan: Plan, model: ModelSpec) -> frozenset[tuple[int, int]]:
     """(pipeline, stage) of the stages in the engine's tied-embedding group when it spans
     stages: the embedding's and the head's copies are all-reduced together after the
@@ -109,11 +123,20 @@ def fit_sync_constants(
     notes: list[str],
     tied: frozenset[tuple[int, int]] = frozenset(),
     iteration_s: Mapping[str, float] | None = None,
+    *,
+    network: NetworkProfile,
 ) -> Calibration:
     iteration_s = iteration_s or {}
     rows1 = stage_rows(sim(with_all(cal, kinds, network_efficiency=1.0)))
-    # and at η = 1/2 (one unit of 1/η − 1): what a unit adds on these links
-    rows2 = stage_rows(sim(with_all(cal, kinds, network_efficiency=0.5)))
+    # and at η = 1/2 (one unit of 1/η − 1): what a unit adds on these links; where the
+    # all-reduces scale as 1/η a unit adds their time at η = 1 (bit for bit: halving η
+    # doubles every step exactly), and that simulation is not run
+    rows2 = (
+        rows1
+        if _scales_as_read(cal, kinds, network)
+        else stage_rows(sim(with_all(cal, kinds, network_efficiency=0.5)))
+    )
+    doubled = rows2 is not rows1
     lone = [
         r
         for r in ranks
@@ -221,7 +244,7 @@ def fit_sync_constants(
         if comm <= 0 or comm < _SYNC_SHARE * r.t.sync_s:
             skipped += 1
             continue
-        per_unit = rows2[(r.pipeline, r.stage)].grad_sync_s - ar1
+        per_unit = rows2[(r.pipeline, r.stage)].grad_sync_s - ar1 if doubled else ar1
         eta = _eta_of(ar1, per_unit, comm)
         lo, hi = _eta_interval(ar1, per_unit, comm, r)
         for g in members[gid]:

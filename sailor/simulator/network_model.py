@@ -331,7 +331,7 @@ def ring_allreduce(
     groups: Sequence[ReplicaGroup],
     node_bytes: float,
     elements_per_gpu: float,
-    efficiency: float | LinkEta,
+    efficiency: LinkEta,
     *,
     links: LinkCurves | None = None,
 ) -> AllReduce:
@@ -345,7 +345,8 @@ def ring_allreduce(
     ``groups`` (a plan's data-parallel replicas are not ordered). Gradients go in
     buckets of :data:`BUCKET_ELEMENTS` elements, one after the other. Each distinct pair of
     neighbours is priced once (``links`` shares the lookups across rings); each note is
-    listed once, in ring order.
+    listed once, in ring order. ``efficiency`` is taken on each step's link
+    (:meth:`LinkEta.on`); a value meant as it is on every link is ``LinkEta.as_read``.
     """
     n = len(groups)
     if n <= 1 or node_bytes <= 0:
@@ -384,7 +385,7 @@ def ring_allreduce(
                 per_step -= curve.latency_s  # paid once per all-reduce below, as measured
             else:
                 latency = min(curve.latency_s, per_step)
-        eff = efficiency.on(curve.max_gbps) if isinstance(efficiency, LinkEta) else efficiency
+        eff = efficiency.on(curve.max_gbps)
         if per_step / eff > step:
             step, step_latency = per_step / eff, latency / eff
     crossed = 2.0 * (n - 1) * chunk * buckets

@@ -42,10 +42,12 @@ iteration times):
 * ``network_efficiency`` (η): per group of stages that all-reduce together, the rank with the
   least ``sync_s`` arrived last, so its sync is c + its all-reduces (no waiting for others);
   η is the efficiency at which the simulated all-reduces take (that sync − c): simulated at
-  η = 1 over (that sync − c) where η applies on every link as read; on links other than those
-  the kind's efficiencies were read on (``GPUCalibration.efficiency_link_gbps``), solved from
-  the all-reduces simulated at η = 1 and 1/2 (time is affine in 1/η − 1 there), so that the
-  fitted η is in the frame the simulator takes it in. c the median sync of the kind's
+  η = 1 over (that sync − c) where η applies on every link as read and no all-reduce of the
+  plan's kinds was measured (one simulation, at η = 1); on links other than those the kind's
+  efficiencies were read on (``GPUCalibration.efficiency_link_gbps``), or with a measured
+  all-reduce latency (paid once, not derated), solved from the all-reduces simulated at
+  η = 1 and 1/2 (time is affine in 1/η − 1 there), so that the fitted η is in the frame the
+  simulator takes it in. c the median sync of the kind's
   lone ranks; a kind without any subtracts its kept ``sync_fixed_s`` from the same sum that
   constant is fitted from (the sync, ``rest_s`` and the optimizer step beyond its profile,
   less the framework time), not from the sync alone. A kind's η is the geometric mean
@@ -152,7 +154,16 @@ def fit_online(
     )
     frame = {g: f.iteration_s for g in kinds if (f := profiles.framework_time(g)) is not None}
     cal = fit_sync_constants(
-        plan, ranks, kinds, cal, sim, constants, notes, tied_holders(plan, model), frame
+        plan,
+        ranks,
+        kinds,
+        cal,
+        sim,
+        constants,
+        notes,
+        tied_holders(plan, model),
+        frame,
+        network=network,
     )
     cal = with_fitted_spread(cal, cal0, kinds, constants)
     before = sim(cal0)

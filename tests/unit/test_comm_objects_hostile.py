@@ -31,6 +31,9 @@ from sailor.comm.codec import PeerObjectError, decode, encode, expect
 from sailor.megatron_patch.bad_labels import LabelWatch
 from sailor.megatron_patch.errors import classify
 from sailor.megatron_patch.in_place import handshake
+from sailor.megatron_patch.step_agreement import HOST_NAME_MAX, gathered_hosts, rank_hosts
+from sailor.profiler.collective_probe import gather_times, gathered_times
+from sailor.profiler.timing import Stats
 from tests.spawn import spawn
 
 _HOSTILE = 2
@@ -108,12 +111,17 @@ def _rank(rank: int, store: str, out: str) -> None:
         comm.all_gather_object([None] * 3, (0, -1, False, "p", 0, "{}", ""))  # handshake again
         comm.broadcast_object_list(["not a plan"], src=_HOSTILE)
         comm.all_gather_object([None] * 3, ("h", "1", 1, 0, ""))  # raise_agreed
+        comm.all_gather_object([None] * 3, ["not", "a", "host"])  # rank_hosts
+        nan = {"median_s": float("nan"), "stdev_s": 0.0, "n": 5, "mean_s": 0.0}
+        comm.all_gather_object([None] * 3, {"8": nan})  # the all-reduce probe's times
     else:
         got["save_start"] = _outcome(agree_save_start, None)
         got["held"] = _outcome(handshake, None, -1, rank, 3)
         got["plan"] = _outcome(handshake, None, -1, rank, 3)
         watch = LabelWatch(vocab_size=8)
         got["labels"] = _outcome(watch.raise_agreed, (_HOSTILE,), 3, "batch", 0)
+        got["hosts"] = _outcome(rank_hosts, (0,))
+        got["times"] = _outcome(gather_times, {"8": Stats.of([1e-4]).to_dict()}, [8])
     dist.barrier()  # everyone left the collectives above
     Path(out, f"r{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
@@ -137,6 +145,14 @@ def test_a_crafted_pickle_runs_nothing_and_names_its_sender(tmp_path: Path) -> N
         assert got["held"].startswith("PeerObjectError rank=2: rank 2 sent its scaling state"), got
         assert got["plan"].startswith("PeerObjectError rank=2: rank 2 sent the old plan"), got
         assert got["labels"].startswith("PeerObjectError rank=2: rank 2 sent ('h', '1'"), got
+        assert got["hosts"] == (
+            "PeerObjectError rank=2: rank 2 sent ['not', 'a', 'host'] as its host name: "
+            "str expected"
+        ), got
+        assert got["times"] == (
+            "PeerObjectError rank=2: rank 2 sent times['8']['median_s']=nan: a finite float "
+            ">= 0 expected"
+        ), got
     assert json.loads((tmp_path / "r1.json").read_text())["unencodable"].startswith(
         "TypeError: obj: an object collective sends"
     )
@@ -247,3 +263,45 @@ def test_expect_checks_exact_shapes(value: Any, shape: Any, ok: bool) -> None:
     with pytest.raises(PeerObjectError, match=r"^rank 4 sent .* as a thing: .* expected") as e:
         expect(value, shape, 4, "a thing")
     assert e.value.rank == 4
+
+
+_GOOD = {"median_s": 1e-4, "stdev_s": 0.0, "n": 5, "mean_s": 1e-4}
+
+
+@pytest.mark.parametrize(
+    ("sent", "says"),
+    [
+        ([1], "rank 1 sent times [1]: a dict of the sizes ['8', '64'] expected"),
+        ({"8": _GOOD}, "rank 1 sent times ['8']: a dict of the sizes ['8', '64'] expected"),
+        ({"8": _GOOD, "64": [1]}, "rank 1 sent times['64']=[1]: a dict of"),
+        ({"8": _GOOD, "64": {**_GOOD, "n": 0}}, "times['64']['n']=0: an int >= 1 expected"),
+        ({"8": _GOOD, "64": {**_GOOD, "n": True}}, "times['64']['n']=True: an int >= 1"),
+        ({"8": _GOOD, "64": {**_GOOD, "stdev_s": -1.0}}, "['stdev_s']=-1.0: a finite float"),
+        ({"8": _GOOD, "64": {**_GOOD, "mean_s": float("inf")}}, "['mean_s']=inf: a finite"),
+        ({"8": _GOOD, "64": {**_GOOD, "mean_s": "1"}}, "['mean_s']=1: a finite float >= 0"),
+    ],
+    ids=["not-a-dict", "a-size-missing", "stats-not-a-dict", "no-reps", "a-bool", "negative",
+         "infinite", "a-str"],
+)  # fmt: skip
+def test_the_probes_gathered_times_name_a_malformed_sender(sent: object, says: str) -> None:
+    good = {"8": _GOOD, "64": _GOOD}
+    assert gathered_times([good, good], [8, 64]) == [good, good]
+    with pytest.raises(PeerObjectError, match=r"^rank 1 sent") as info:
+        gathered_times([good, sent], [8, 64])
+    assert info.value.rank == 1 and says in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("sent", "says"),
+    [
+        (None, "rank 1 sent None as its host name: str expected"),
+        ("", "rank 1 sent a host name of 0 characters"),
+        ("h" * (HOST_NAME_MAX + 1), f"of {HOST_NAME_MAX + 1} characters ('hhhh"),
+    ],
+    ids=["none", "empty", "too-long"],
+)
+def test_gathered_hosts_name_a_malformed_sender(sent: object, says: str) -> None:
+    assert gathered_hosts(["a", "b" * HOST_NAME_MAX]) == ["a", "b" * HOST_NAME_MAX]
+    with pytest.raises(PeerObjectError) as info:
+        gathered_hosts(["a", sent])
+    assert info.value.rank == 1 and says in str(info.value)

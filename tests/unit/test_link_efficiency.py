@@ -84,9 +84,9 @@ def test_a_ring_step_takes_the_efficiency_on_its_link() -> None:
     groups = [ReplicaGroup(gpu_type="G", zone="z", tp=1, gpus_per_node=1)] * 4
     for gbps in (0.125, GH):
         net = NetworkProfile(links=(Link(src=ep, dst=ep, curve=_curve(gbps)),))
-        as_read = ring_allreduce(net, groups, 1e9, 2.5e8, 0.2).time_s
+        as_read = ring_allreduce(net, groups, 1e9, 2.5e8, LinkEta.as_read(0.2)).time_s
         on_link = ring_allreduce(net, groups, 1e9, 2.5e8, LinkEta(((0.2, GH),))).time_s
-        at_one = ring_allreduce(net, groups, 1e9, 2.5e8, 1.0).time_s
+        at_one = ring_allreduce(net, groups, 1e9, 2.5e8, LinkEta.as_read(1.0)).time_s
         if gbps == GH:
             assert on_link == as_read
         else:  # the bytes at the link's rate plus the framework's throughput (R ~ 23 GB/s)

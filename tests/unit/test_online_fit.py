@@ -8,11 +8,15 @@ without profile files plans it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sailor import catalog
 from sailor.schemas import (
     Calibration,
+    Endpoint,
+    Estimate,
     NetworkProfile,
     Pipeline,
     Plan,
@@ -20,7 +24,9 @@ from sailor.schemas import (
     ReplicaGroup,
     Stage,
 )
+from sailor.schemas.network import CollectiveLatency
 from sailor.schemas.online_calibration import FittedConstant, OnlineFit, RankTimings
+from sailor.simulator import online_fit
 from sailor.simulator.fit_corners import (
     range_corners,
     scale_ends,
@@ -549,3 +555,52 @@ def test_without_a_lone_rank_the_kept_fixed_cost_is_taken_from_the_same_sum() ->
     assert _const(fit, SLOW, "network_efficiency") == pytest.approx(0.2, rel=0.01)
     c = fit.constant(SLOW, "sync_fixed_s")
     assert c is not None and not c.fitted
+
+
+def test_without_a_link_to_transport_from_the_sync_fit_runs_one_simulation_fewer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Efficiencies read on no link of their own (as read on every link) and no measured
+    all-reduce of the plan's kinds: the all-reduces take their time at η = 1 over η, so the
+    η fit needs no simulation at η = 1/2 (fit_sync._scales_as_read). The answer is the one
+    that simulation gives (bit for bit), and the fit runs one simulation fewer. A measured
+    all-reduce of these kinds elsewhere (another zone: none of this plan's rings) keeps the
+    simulation, and a calibration read on GH200 links needs it. Fails on the old code: it
+    ran the η = 1/2 simulation whatever the calibration (the same count both ways)."""
+    plan = _dp_plan((FAST, SLOW))
+    truth = with_constant(AS_READ, SLOW, compute_scale=1.5, network_efficiency=0.2)
+    truth = with_constant(truth, FAST, network_efficiency=0.2)
+    timings = _timings(plan, truth)
+    runs: list[Calibration] = []
+    real = online_fit.simulate
+
+    def counted(*args: Any, **kwargs: Any) -> Estimate:
+        runs.append(kwargs["calibration"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(online_fit, "simulate", counted)
+    elsewhere = NetworkProfile(
+        collectives=(
+            CollectiveLatency(
+                endpoint=Endpoint(zone="z-b-1", gpu_type=FAST, gpus_per_node=1),
+                ranks=2,
+                latency_s=1e-3,
+                scope="inter_node",
+            ),
+        )
+    )
+
+    def fit(network: NetworkProfile, base: Calibration) -> tuple[OnlineFit, int]:
+        runs.clear()
+        out = fit_online(
+            plan, timings, MODEL, PROFILES, network, PRICES, calibration=base, gpu_specs=SPECS
+        )
+        return out, len(runs)
+
+    skipped, fewer = fit(NETWORK, AS_READ)
+    full, more = fit(elsewhere, AS_READ)
+    assert fewer == more - 1
+    assert skipped == full
+    assert _const(skipped, SLOW, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    assert _const(skipped, FAST, "network_efficiency") == pytest.approx(0.2, rel=0.01)
+    assert fit(NETWORK, BASE)[1] == more

@@ -298,6 +298,7 @@ def test_ring_across_nodes_is_not_priced_with_the_intra_node_probe() -> None:
     """The probe of one node's GPUs (NVLink: 5 us, 200 GB/s) must not price a data-parallel
     ring over nodes; it takes the inter-node links, or an inter-node measurement."""
     from sailor.schemas import BandwidthCurve, Endpoint, Link, NetworkProfile
+    from sailor.schemas.calibration import LinkEta
     from sailor.schemas.network import CollectiveLatency
     from sailor.simulator.network_model import ring_allreduce, ring_scope
 
@@ -311,26 +312,30 @@ def test_ring_across_nodes_is_not_priced_with_the_intra_node_probe() -> None:
     across = _ring(["", "", "", ""])  # unplaced: each on a node of its own
     assert ring_scope(across) == "inter_node"
     assert ring_scope(_ring(["n1", "n2", "n1", "n1"])) == "inter_node"
-    plain = ring_allreduce(links, across, nbytes, 16e6, 1.0).time_s
+    plain = ring_allreduce(links, across, nbytes, 16e6, LinkEta.as_read(1.0)).time_s
     assert plain == pytest.approx(6 * (50e-6 + nbytes / 4 / 5e9))
-    assert ring_allreduce(probed, across, nbytes, 16e6, 1.0).time_s == pytest.approx(plain)
+    assert ring_allreduce(
+        probed, across, nbytes, 16e6, LinkEta.as_read(1.0)
+    ).time_s == pytest.approx(plain)
     spread = _ring(["n1", "n2", "n3", "n4"])
-    assert ring_allreduce(probed, spread, nbytes, 16e6, 1.0).time_s == pytest.approx(plain)
+    assert ring_allreduce(
+        probed, spread, nbytes, 16e6, LinkEta.as_read(1.0)
+    ).time_s == pytest.approx(plain)
     # four groups on one node: the intra-node probe applies (latency once, its bus bandwidth)
     one_node = _ring(["n1"] * 4)
     assert ring_scope(one_node) == "intra_node"
-    assert ring_allreduce(probed, one_node, nbytes, 16e6, 1.0).time_s == pytest.approx(
-        5e-6 + 2 * 3 / 4 * nbytes / 200e9
-    )
+    assert ring_allreduce(
+        probed, one_node, nbytes, 16e6, LinkEta.as_read(1.0)
+    ).time_s == pytest.approx(5e-6 + 2 * 3 / 4 * nbytes / 200e9)
     # an inter-node measurement (sailor profile network --rank 0|1) prices the spanning ring
     ib = CollectiveLatency(endpoint=ep, ranks=2, latency_s=30e-6, bus_gbps=20.0, scope="inter_node")
     both = links.model_copy(update={"collectives": (nvlink, ib)})
-    assert ring_allreduce(both, across, nbytes, 16e6, 1.0).time_s == pytest.approx(
+    assert ring_allreduce(both, across, nbytes, 16e6, LinkEta.as_read(1.0)).time_s == pytest.approx(
         30e-6 * 3 + 2 * 3 / 4 * nbytes / 20e9  # latency scaled from 2 to 4 ranks
     )
-    assert ring_allreduce(both, one_node, nbytes, 16e6, 1.0).time_s == pytest.approx(
-        5e-6 + 2 * 3 / 4 * nbytes / 200e9
-    )
+    assert ring_allreduce(
+        both, one_node, nbytes, 16e6, LinkEta.as_read(1.0)
+    ).time_s == pytest.approx(5e-6 + 2 * 3 / 4 * nbytes / 200e9)
 
 
 def test_cuda_budget_is_the_free_memory_less_a_margin(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,6 +151,7 @@ def test_intra_node_all_reduces_are_found_for_this_node(
     """GPUs per node defaults to the GPUs here, so the records match the endpoint the
     simulator builds for a ring inside one of this pool's nodes; endpoints unlikely to match
     are warned about."""
+    from sailor.schemas.calibration import LinkEta
     from sailor.simulator.network_model import ring_allreduce
 
     _FakeRanks(monkeypatch, gpus=4)
@@ -168,8 +169,8 @@ def test_intra_node_all_reduces_are_found_for_this_node(
     assert net.collective_bus_gbps(ep, 4) is not None
     bare = net.model_copy(update={"collectives": ()})
     # the measured latency and bus bandwidth price the ring, not the p2p curve's steps
-    assert ring_allreduce(net, ring, 64e6, 16e6, 1.0).time_s != pytest.approx(
-        ring_allreduce(bare, ring, 64e6, 16e6, 1.0).time_s
+    assert ring_allreduce(net, ring, 64e6, 16e6, LinkEta.as_read(1.0)).time_s != pytest.approx(
+        ring_allreduce(bare, ring, 64e6, 16e6, LinkEta.as_read(1.0)).time_s
     )
     # the default zone, or a node shape other than this one's: warned on stderr
     local = _network(tmp_path / "l.json", "--device", "cuda", "--gpus-per-node", "8")

@@ -404,6 +404,56 @@ def test_a_generations_accusations_name_their_generation_and_nodes() -> None:
         Accusations(generation=3, named={"n1": ""})
 
 
+@pytest.mark.parametrize(
+    ("record", "fields", "says"),
+    [
+        (
+            SigabrtReports,
+            {"nodes": ("n1",)},
+            "generation=-1: reports name their generation and nodes (['n1'])",
+        ),
+        (
+            SigabrtReports,
+            {"generation": 2},
+            "generation=2: reports name their generation and nodes ([])",
+        ),
+        (
+            SigabrtReports,
+            {"generation": 2, "nodes": ("n2", "n1")},
+            "nodes=['n2', 'n1']: must be sorted",
+        ),
+        (SigabrtReports, {"generation": 2, "nodes": ("",)}, "nodes=['']: an empty node id"),
+        (
+            Accusations,
+            {"named": {"n1": "n2"}},
+            "generation=-1: accusations name their generation and nodes ({'n1': 'n2'})",
+        ),
+        (
+            Accusations,
+            {"generation": 2},
+            "generation=2: accusations name their generation and nodes ({})",
+        ),
+    ],
+    ids=[
+        "sigabrt-no-generation",
+        "sigabrt-no-nodes",
+        "sigabrt-unsorted",
+        "sigabrt-empty-id",
+        "accusations-no-generation",
+        "accusations-no-nodes",
+    ],
+)
+def test_a_generations_reports_name_the_field_and_value_that_break_all_or_nothing(
+    record: type[SigabrtReports | Accusations], fields: dict[str, object], says: str
+) -> None:
+    """Both records of one generation's reports (one check, ``GenerationReports``): set
+    together or neither, named by field and value; the empty record and a full one stand."""
+    assert record() == record(generation=-1)
+    with pytest.raises(ValidationError) as info:
+        record(**fields)
+    assert says in str(info.value)
+
+
 def test_the_desired_states_abandoned_saves_are_bounded_and_named_once() -> None:
     """``DesiredState.drop_steps`` (version 8) keeps its order (oldest first), refuses a
     negative or repeated step by name, holds at most MAX_DROP_STEPS, and a state of

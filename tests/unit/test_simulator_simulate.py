@@ -471,6 +471,7 @@ def test_tied_and_loss_allreduce_only_when_asked() -> None:
 
 
 def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
+    from sailor.schemas.calibration import LinkEta
     from sailor.schemas.network import CollectiveLatency
     from sailor.simulator.network_model import ring_allreduce
 
@@ -488,13 +489,13 @@ def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
     groups = [_rg(), _rg()]
     nbytes = 1e6
     # per-step p2p latency: 2 steps of (2 ms + 0.5 MB at 1 GB/s)
-    assert ring_allreduce(plain, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
+    assert ring_allreduce(plain, groups, nbytes, 1e6, LinkEta.as_read(1.0)).time_s == pytest.approx(
         2 * (2e-3 + 0.5e-3)
     )
     # measured: the all-reduce latency once, plus the steps' bandwidth time
-    assert ring_allreduce(measured, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
-        0.5e-3 + 2 * 0.5e-3
-    )
+    assert ring_allreduce(
+        measured, groups, nbytes, 1e6, LinkEta.as_read(1.0)
+    ).time_s == pytest.approx(0.5e-3 + 2 * 0.5e-3)
     # a ring over two endpoint kinds has no measurement: per-step latency again
     mixed = [_rg(), _rg(gpu="B")]
     both = measured.model_copy(
@@ -502,17 +503,19 @@ def test_measured_allreduce_latency_replaces_per_step_latency() -> None:
             "links": (link, Link(src=ep, dst=ep.model_copy(update={"gpu_type": "B"}), curve=curve))
         }
     )
-    assert ring_allreduce(both, mixed, nbytes, 1e6, 1.0).time_s == pytest.approx(2 * 2.5e-3)
+    assert ring_allreduce(both, mixed, nbytes, 1e6, LinkEta.as_read(1.0)).time_s == pytest.approx(
+        2 * 2.5e-3
+    )
     # with the backend's bus bandwidth measured, the bytes move at it: 2(n-1)/n * B / bus
     fast = coll.model_copy(update={"bus_gbps": 0.25, "max_bytes": 4 << 20})
     busy = plain.model_copy(update={"collectives": (fast,)})
     assert busy.collective_bus_gbps(ep, 2, "inter_node") == 0.25
     assert measured.collective_bus_gbps(ep, 2, "inter_node") is None
-    assert ring_allreduce(busy, groups, nbytes, 1e6, 1.0).time_s == pytest.approx(
+    assert ring_allreduce(busy, groups, nbytes, 1e6, LinkEta.as_read(1.0)).time_s == pytest.approx(
         0.5e-3 + 2 * 1 / 2 * nbytes / 0.25e9
     )
     # ... and the calibration's network efficiency still derates it
-    assert ring_allreduce(busy, groups, nbytes, 1e6, 0.5).time_s == pytest.approx(
+    assert ring_allreduce(busy, groups, nbytes, 1e6, LinkEta.as_read(0.5)).time_s == pytest.approx(
         0.5e-3 + 2 * nbytes / 0.25e9
     )
 
