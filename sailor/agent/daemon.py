@@ -31,9 +31,11 @@ import collections
 import contextlib
 import json
 import math
+import os
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -47,6 +49,7 @@ from sailor.agent.node_join import AgentNodeCheck, host_port, node_address, regi
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.release import sailor_release
 from sailor.agent.supervisor import Supervisor
+from sailor.agent.teardown import boot_ticks
 from sailor.agent.watchers import GCP_NOTICE_S, Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
@@ -77,7 +80,7 @@ from sailor.schemas.node_check import EndpointFacts, NodeFacts
 from sailor.schemas.redact import redact_urls
 from sailor.schemas.runtime import AgentStatus, CommandAck
 
-__all__ = ["Agent", "run_agent"]
+__all__ = ["Agent", "process_age_s", "run_agent"]
 
 _log = structlog.get_logger("sailor.agent")
 
@@ -89,6 +92,8 @@ TASK_MAX_CRASHES = 5
 CLAIM_GRACE_S = 1.0
 """Beyond one lease TTL, how long an agent waits for another lease on its node's key to
 lapse before it refuses to start (the holder's last refresh and etcd's expiry check lag)."""
+RETRY_LOG_EVERY = 10
+"""A connect or claim that keeps failing is logged on its first failure, then every tenth."""
 PUBLISH_BACKOFF_MAX_S = 2.0
 """Longest pause between two tries of a notice's publish: a 30 s notice (GCP's) still gets
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
@@ -176,10 +181,12 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         sec = self.cfg.security
         warn_if_unauthenticated(sec, "agent", self.node.node_id)
         t0 = time.monotonic()
-        store = await self._retry(lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec))
+        store = await self._retry(
+            "etcd", lambda: connect_etcd(self.cfg.etcd_endpoints, security=sec)
+        )
         t1 = time.monotonic()
         nc = await self._retry(
-            lambda: connect_nats(self.cfg.nats_urls, self.node.node_id, security=sec)
+            "nats", lambda: connect_nats(self.cfg.nats_urls, self.node.node_id, security=sec)
         )
         if store is None or nc is None:
             return
@@ -216,7 +223,16 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
             # another agent of this node id: refused before serving its command subject.
             # The claim itself comes first (a read of the key did: two agents that started
             # together both found it free and served commands until the loser's claim)
+            t2 = time.monotonic()
             if await self._until_free(self._claim_key) and await self._token_own(stop=True):
+                _log.info(
+                    "node_registered",
+                    node=self.node.node_id,
+                    process_age_s=process_age_s(),
+                    etcd_s=round(t1 - t0, 2),
+                    nats_s=round(t2 - t1, 2),
+                    claim_s=round(time.monotonic() - t2, 2),
+                )
                 await self._serve(commands)
         finally:
             if self.stopping.is_set():
@@ -296,11 +312,27 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 etcd_revision=revision,
             )
 
-    async def _retry(self, make: Any) -> Any:
+    async def _retry(self, server: str, make: Any) -> Any:
+        """``make()`` (a connect to ``server``) until it succeeds, 0.5 s apart; None on stop.
+        Each failure is logged (the first, then every tenth): an agent that cannot reach a
+        server says so, where it waited without a word (a joining node "never registered"
+        left a log of one line)."""
+        tries = 0
+        t0 = time.monotonic()
         while not self.stopping.is_set():
             try:
                 return await make()
-            except TemporaryError:
+            except TemporaryError as exc:
+                tries += 1
+                if tries == 1 or tries % RETRY_LOG_EVERY == 0:
+                    _log.warning(
+                        "connect_retry",
+                        node=self.node.node_id,
+                        server=server,
+                        tries=tries,
+                        waited_s=round(time.monotonic() - t0, 1),
+                        error=str(exc)[:300],
+                    )
                 await self.clock.sleep(0.5)
         return None
 
@@ -365,11 +397,20 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
         deadline: float | None = None
         watched = 0  # the holder's lease the deadline is of
         lapsed: float | None = None  # since when its lease reads as gone but the key stays
+        failed = 0  # attempts etcd failed (logged as _retry logs them)
         while not self.stopping.is_set():
             try:
                 held = await attempt()
                 ttl = None if held is None else await self._lease_ttl(held.lease)
-            except TemporaryError:
+            except TemporaryError as exc:
+                failed += 1
+                if failed == 1 or failed % RETRY_LOG_EVERY == 0:
+                    _log.warning(
+                        "node_claim_retry",
+                        node=self.node.node_id,
+                        tries=failed,
+                        error=str(exc)[:300],
+                    )
                 deadline = lapsed = None
                 await self.clock.sleep(0.3)
                 continue
@@ -734,6 +775,17 @@ async def run_agent(config: AgentConfig) -> int:
         _log.error("agent_exit", error=str(exc))
         return 1
     return 1 if agent.refused else 0
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (its interpreter's start and imports included:
+    on a loaded 2-core host most of an agent's time to register); None where ``/proc`` has
+    no answer."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round((boot_ticks() - started) / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def _address_of(raw: bytes) -> str:

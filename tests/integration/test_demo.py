@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 
 from sailor.cli.demo.processes import marked_pids
 from sailor.cli.demo.report import LOSS_ATOL, LOSS_RTOL
+from sailor.cli.demo.run import KEPT_RUN_DIR
 
 _TEST_ENV = "SAILOR_DEMO_TEST_TOKEN"
 _FAST = ("--steps", "15", "--timeout-s", "60")
@@ -67,16 +69,52 @@ def _kill_leftovers(token: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _kept_run_dir(stderr: str) -> Path | None:
+    """The run directory ``--keep --json`` named on stderr (None if it named none)."""
+    found = [ln[len(KEPT_RUN_DIR) :] for ln in stderr.splitlines() if ln.startswith(KEPT_RUN_DIR)]
+    return Path(found[-1]) if found else None
+
+
+def _log_tails(run_dir: Path | None, lines: int = 40, width: int = 400) -> str:
+    """The last ``lines`` lines of the controller's and every agent's log (and the
+    servers'), each cut to ``width`` characters: what a failed run leaves to diagnose it."""
+    if run_dir is None:
+        return "no run directory was named on stderr"
+    logs = sorted((run_dir / "logs").glob("*.log"), key=lambda p: (p.stem in ("etcd", "nats"), p))
+    parts = [f"run directory kept: {run_dir}"]
+    for log in logs:
+        try:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            tail = [f"unreadable: {exc}"]
+        parts.append(f"----- {log.name} (last {len(tail)} lines)")
+        parts.extend(ln[:width] for ln in tail)
+    return "\n".join(parts)
+
+
 def test_demo_json_end_to_end(tmp_path: Path) -> None:
+    """Run with ``--keep``: on a failure the logs' tails are printed (pytest shows a failed
+    test's output) and the run directory stays; on success it is removed."""
     token = uuid.uuid4().hex
-    proc = _demo(tmp_path, token, "--json", *_FAST)
+    proc = _demo(tmp_path, token, "--json", "--keep", *_FAST)
     try:
         out, err = proc.communicate(timeout=300)  # ~50 s alone; make test runs 2 at once
     finally:
         proc.kill()
         left = _left(token)
         _kill_leftovers(token)
-    assert proc.returncode == 0, err.decode()[-3000:]
+    run_dir = _kept_run_dir(err.decode(errors="replace"))
+    try:
+        _check_end_to_end(proc.returncode, out, err, left)
+        assert run_dir is not None and (run_dir / "logs").is_dir(), err.decode()[-3000:]
+    except BaseException:
+        print(_log_tails(run_dir))
+        raise
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _check_end_to_end(returncode: int, out: bytes, err: bytes, left: list[int]) -> None:
+    assert returncode == 0, err.decode()[-3000:]
     assert not left, [_cmdline(p) for p in left]
     summ = json.loads(out)["cluster"]
     causes = [r["cause"] for r in summ["reconfigurations"]]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from sailor.controller.config import ControllerConfig
 from sailor.controller.decide import decide
 from sailor.controller.decision_types import DecideConfig, Observed
 from sailor.coordination import EtcdStore, Keys, KeyValue, TemporaryError, connect_etcd
+from sailor.localnet import free_port
 from sailor.localservers import LocalServers
 from sailor.schemas.runtime import (
     ClearBadRequest,
@@ -1111,9 +1111,10 @@ async def test_a_request_etcd_failed_before_it_was_written_says_so(
     that is down): the command ends in one line that names the endpoint, etcd's error and
     that nothing was written. Before: "etcd unavailable (...): temporary: retry", neither
     which etcd nor whether the request was written."""
-    with socket.socket() as probe:  # a port nothing listens on once closed
-        probe.bind(("127.0.0.1", 0))
-        ep = f"127.0.0.1:{probe.getsockname()[1]}"
+    # a port nothing listens on, drawn below the ephemeral range: a port the kernel picked
+    # (bind to 0) is one it hands out next to another test's listener (a gloo rank's), which
+    # the command's connects for a second would then reach
+    ep = f"127.0.0.1:{free_port()}"
     cfg = _config(tmp_path, ep, f"down-{kind}")
     if kind == "readmit":
         res = await _cli("node", "readmit", "n1", "--config", str(cfg), "--wait", "1")

@@ -45,3 +45,22 @@ def test_a_later_admission_clears_the_refusal_and_no_records_are_no_error() -> N
     records = [{"kind": "not_admitted", "nodes": {"n4": _WHY}}, {"kind": "not_admitted"}]
     assert "not admitted" not in stuck_note(_VIEW, records)
     assert stuck_note(ClusterView(), []) == "desired: —, generation -1; nodes: none registered"
+
+
+def test_the_note_says_when_the_view_is_old_and_which_processes_had_exited() -> None:
+    """A joining node the note lists as missing was either never registered or not seen: a
+    view of etcd that reads kept failing says so, and an agent that died is named with its
+    exit code (a fresh-clone CI's run said only "nodes: n3 running" for a missing n4)."""
+    note = stuck_note(
+        _VIEW,
+        [],
+        view_age_s=41.6,
+        read_error="UnavailableError: etcd at 127.0.0.1:2379: deadline",
+        exited=[("agent-n1", 0), ("agent-n2", -9), ("agent-n4", 1)],
+    )
+    assert note.endswith(
+        "; view of etcd 42 s old; last read failed: UnavailableError: etcd at "
+        "127.0.0.1:2379: deadline; exited: agent-n1 (0), agent-n2 (-9), agent-n4 (1)"
+    ), note
+    # a fresh view (one poll old) is not called old
+    assert "old" not in stuck_note(_VIEW, [], view_age_s=0.3)

@@ -43,7 +43,11 @@ from sailor.cli.demo.scenario import DemoSettings, Scenario
 from sailor.cli.demo.servers import start_servers
 from sailor.controller.config import OnlineCalibrationSettings
 
-__all__ = ["Interrupted", "run_demo"]
+__all__ = ["KEPT_RUN_DIR", "Interrupted", "run_demo"]
+
+KEPT_RUN_DIR = "sailor demo: run directory kept: "
+"""What precedes the run directory's path on stderr with ``--keep --json`` (its logs under
+``logs/``: the servers', the controller's and each agent's)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -164,6 +168,8 @@ def run_demo(
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="sailor-demo-"))
+    if keep and con.quiet:  # --json: the console is silent; the kept directory is named
+        print(f"{KEPT_RUN_DIR}{tmp}", file=sys.stderr, flush=True)
     reg = ProcessRegistry(log_dir=tmp / "logs")
     cluster: DemoCluster | None = None
     t_start = time.time()

@@ -17,7 +17,6 @@ progress files while waiting. Must never clean up: :mod:`sailor.cli.demo.run` ow
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -69,16 +68,36 @@ class DemoSettings:
             raise ValueError(f"poll_s={self.poll_s}: must be finite and > 0")
 
 
-def stuck_note(view: ClusterView, records: Sequence[dict[str, Any]]) -> str:
+STALE_VIEW_S = 2.0
+"""A view of etcd older than this when a wait runs out is said to be old in its error."""
+
+
+def stuck_note(
+    view: ClusterView,
+    records: Sequence[dict[str, Any]],
+    view_age_s: float = 0.0,
+    read_error: str = "",
+    exited: Sequence[tuple[str, int]] = (),
+) -> str:
     """What the cluster was doing when a wait ran out, for its error: the desired state's
     phase, generation and cause, each registered node's state, and the nodes the controller
     last left out of every layout (the audit's newest ``not_admitted`` record: another
     Sailor release, say, which a node started from a checkout edited since the others
-    runs), with why. A failed run's one line then says what it waited on."""
+    runs), with why. A failed run's one line then says what it waited on.
+
+    Also, so that "never registered" can be told from "not seen": how old the view of etcd
+    is when older than :data:`STALE_VIEW_S` (``view_age_s``; reads that kept failing, with
+    the last one's ``read_error``), and the demo's processes that had exited, with their
+    exit codes (``exited``: a joining agent that died is not one that is slow)."""
     cause = f" ({view.cause[:200]})" if view.cause else ""
     parts = [f"desired: {view.phase}, generation {view.generation}{cause}"]
     nodes = ", ".join(f"{r.node} {r.state}" for r in view.nodes)
     parts.append(f"nodes: {nodes or 'none registered'}")
+    if view_age_s > STALE_VIEW_S:
+        failed = f"; last read failed: {read_error[:300]}" if read_error else ""
+        parts.append(f"view of etcd {view_age_s:.0f} s old{failed}")
+    if exited:
+        parts.append("exited: " + ", ".join(f"{name} ({code})" for name, code in exited))
     left_out = next((r for r in reversed(records) if r.get("kind") == "not_admitted"), None)
     refused = left_out.get("nodes") if left_out is not None else None
     if isinstance(refused, dict) and refused:
@@ -105,6 +124,8 @@ class Driver:
     t0: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        self._read_at = time.monotonic()  # of the last view read from etcd
+        self._read_error = ""  # of the last read, if it failed
         self.steps = StepReader(self.cluster.agents_dir)
         srv = self.cluster.servers
         self.state = StateReader(srv.etcd_endpoints, self.cluster.job, srv.security(ADMIN))
@@ -116,9 +137,14 @@ class Driver:
             self.say(line)
 
     async def tick(self) -> None:
-        # a failed read (etcd busy on 2 cores) only skips one refresh
-        with contextlib.suppress(Exception):
+        # a failed read (etcd busy on 2 cores) only skips one refresh; a wait that runs out
+        # says how old the view is and why (stuck_note)
+        try:
             self.view = await self.state.read()
+            self._read_at = time.monotonic()
+            self._read_error = ""
+        except Exception as exc:
+            self._read_error = f"{type(exc).__name__}: {exc}"
         self.steps.poll()
         if self.show is not None:
             series = throughput_series(self.steps.series()[-12:], self.settings.global_batch_size)
@@ -133,8 +159,23 @@ class Driver:
                 return
             if time.monotonic() > end:
                 limit = f"{what}: not within {self.settings.phase_timeout_s:.0f} s"
-                raise DemoTimeoutError(f"{limit}; {stuck_note(self.view, self._audit())}")
+                note = stuck_note(
+                    self.view,
+                    self._audit(),
+                    view_age_s=time.monotonic() - self._read_at,
+                    read_error=self._read_error,
+                    exited=self._exited(),
+                )
+                raise DemoTimeoutError(f"{limit}; {note}")
             await asyncio.sleep(self.settings.poll_s)
+
+    def _exited(self) -> list[tuple[str, int]]:
+        """The run's processes that have exited, with their exit codes (started order)."""
+        return [
+            (name, code)
+            for name, proc in self.cluster.reg.procs.items()
+            if (code := proc.poll()) is not None
+        ]
 
     def _audit(self) -> list[dict[str, Any]]:
         """The controllers' audit records so far ([] if they cannot be read)."""
