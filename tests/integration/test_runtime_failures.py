@@ -16,6 +16,7 @@ Real secure servers and daemons in process (the harness of ``test_runtime_scenar
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -481,8 +482,25 @@ async def test_a_config_every_node_refuses_holds_the_job_and_an_operator_readmit
     (record,) = _records(cluster, "c1", "readmit")
     assert record["request_id"] == rid and record["reason"] == "forgot the job"
     launches = [r for r in phases if r["phase"] == "launch"]
-    assert len(launches) == 2, launches
-    assert not any("excluded n" in r["cause"] for r in phases)
+    # A hold comes at once when both refusals are read at the abort. When one node's refusal
+    # is read alone (its peer stopped by the abort before its own check, or reporting late),
+    # that node is excluded, and the exclusion is taken back (node_health) either at a later
+    # pass of the same generation, once the peer's report shows the failure is the job's (no
+    # launch more), or after the next layout (the other node alone) failed alike (one
+    # launch more). Either way no node stays excluded.
+    causes = [r["cause"] for r in phases]
+    later = 0  # exclusions taken back only after a launch without the node
+    for i, cause in enumerate(causes):
+        for node in re.findall(r"excluded (n\d) until", cause):
+            earlier_gen = (
+                f"taken back from {node}: its configuration error of an earlier generation "
+                "is the job's"
+            )
+            same_gen = re.compile(rf"not counted against [^:]*\b{node} \(taken back\)")
+            back = next((c for c in causes[i:] if earlier_gen in c or same_gen.search(c)), None)
+            assert back is not None, f"{node} stays excluded: {causes}"
+            later += earlier_gen in back
+    assert len(launches) == 2 + later, causes
     store = await connect_etcd(cluster.etcd, security=cluster.security("c1"))
     try:
         assert await store.get_prefix(f"/sailor/{cluster.job}/readmit/") == []
