@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import cast
 
 from sailor.planner.allocate import (
     Allocation,
@@ -35,7 +36,6 @@ from sailor.planner.template_pool import (
     SMALL_POOL_GPUS,
     SearchState,
     cuts_of,
-    fits,
     rate,
 )
 from sailor.planner.templates import PipelineTemplate
@@ -137,7 +137,7 @@ class Scenario:
         scenario: dict[Resource, int],
     ) -> Scenario | None:
         tables = state.tables
-        ts = [t for t in templates if fits(t, scenario)]
+        ts = _fitting(templates, scenario, sync_model(state).interned)
         if not ts:
             return None
         gbs = tables.inputs.model.global_batch_size
@@ -146,12 +146,18 @@ class Scenario:
         # a template's sync overhead depends on the ring and the guessed pipeline count only:
         # kept on the template (a replan on a large pool finds them all)
         key = (tuple(ring), n_guess)
-        missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
+        kept = [t.__dict__.setdefault("_over", {}) for t in ts]
+        missing = [t for t, d in zip(ts, kept, strict=True) if key not in d]
+        if len(missing) == len(ts):  # a new pipeline count (a replan): none is kept
+            over = overheads_for(ts, ring, n_guess, sync_model(state), tables.grad_bytes)
+            for t, d in zip(ts, kept, strict=True):
+                d[key] = over[id(t)]
+            return cls(scenario, ts, ring, n_guess, over, gbs)
         if missing:
             fresh = overheads_for(missing, ring, n_guess, sync_model(state), tables.grad_bytes)
             for t in missing:
                 t.__dict__["_over"][key] = fresh[id(t)]
-        over = {id(t): t.__dict__["_over"][key] for t in ts}
+        over = {id(t): d[key] for t, d in zip(ts, kept, strict=True)}
         return cls(scenario, ts, ring, n_guess, over, gbs)
 
     def partitions(self) -> dict[tuple[int, ...], list[PipelineTemplate]]:
@@ -277,6 +283,38 @@ def _recipes(
                 for f in _FLOOR_T_FACTORS[:2]
             )
     return out
+
+
+def _fitting(
+    templates: Sequence[PipelineTemplate],
+    caps: Mapping[Resource, int],
+    interned: dict[object, object],
+) -> list[PipelineTemplate]:
+    """The templates that fit ``caps`` (:func:`~sailor.planner.template_pool.fits`), in
+    order: templates that need the same GPUs (a partition on other GPU types, other
+    microbatch sizes) are checked once."""
+    out: list[PipelineTemplate] = []
+    seen: dict[int, bool] = {}
+    for t in templates:
+        need = _need(t, interned)
+        ok = seen.get(id(need))
+        if ok is None:
+            ok = seen[id(need)] = all(caps.get(r, 0) >= n for r, n in need)
+        if ok:
+            out.append(t)
+    return out
+
+
+def _need(t: PipelineTemplate, interned: dict[object, object]) -> tuple[tuple[Resource, int], ...]:
+    """``t.gpus_by_resource()`` as a tuple, kept on the template and interned in
+    ``interned`` (equal values, one object: a caller may key on its id while the template
+    holds it)."""
+    hit: tuple[tuple[Resource, int], ...] | None = t.__dict__.get("_need")
+    if hit is None:
+        need = tuple(t.gpus_by_resource().items())
+        hit = cast(tuple[tuple[Resource, int], ...], interned.setdefault(need, need))
+        object.__setattr__(t, "_need", hit)
+    return hit
 
 
 def _partition_groups(
