@@ -78,10 +78,13 @@ class Allocation:
             most: dict[int, int] = {}
             for t, m in self.pipelines:
                 k = id(t)
-                if k not in first:
-                    first[k], count[k], most[k] = t, 0, m
-                count[k] += 1
-                most[k] = max(most[k], m)
+                c = count.get(k)
+                if c is None:
+                    first[k], count[k], most[k] = t, 1, m
+                else:
+                    count[k] = c + 1
+                    if m > most[k]:
+                        most[k] = m
             g = tuple((t, count[k], most[k]) for k, t in first.items())
             object.__setattr__(self, "_groups", g)
         out: tuple[tuple[PipelineTemplate, int, int], ...] = g
@@ -161,13 +164,18 @@ class PackTable:
         # resources as list indices: the packing loop runs ~50,000 times per robust search,
         # and a (type, zone, shape) key hashes its tuple at every dict lookup
         res: dict[Resource, int] = {}
-        needs = [
-            tuple((res.setdefault(r, len(res)), k) for r, k in t.gpus_by_resource().items())
-            for t in ts
-        ]
+        # templates of one need (interned: PipelineTemplate.need) share its row
+        rows: dict[int, tuple[tuple[int, int], ...]] = {}
+        needs: list[tuple[tuple[int, int], ...]] = []
+        for t in ts:
+            need = t.need()
+            row = rows.get(id(need))
+            if row is None:
+                row = rows[id(need)] = tuple((res.setdefault(r, len(res)), k) for r, k in need)
+            needs.append(row)
         least = [0] * len(res)
-        for need in needs:
-            for i, k in need:
+        for row in rows.values():
+            for i, k in row:
                 if least[i] == 0 or k < least[i]:
                     least[i] = k
         return cls(

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import cast
 
 from sailor.planner.allocate import (
     Allocation,
@@ -137,7 +136,7 @@ class Scenario:
         scenario: dict[Resource, int],
     ) -> Scenario | None:
         tables = state.tables
-        ts = _fitting(templates, scenario, sync_model(state).interned)
+        ts = _fitting(templates, scenario)
         if not ts:
             return None
         gbs = tables.inputs.model.global_batch_size
@@ -286,35 +285,21 @@ def _recipes(
 
 
 def _fitting(
-    templates: Sequence[PipelineTemplate],
-    caps: Mapping[Resource, int],
-    interned: dict[object, object],
+    templates: Sequence[PipelineTemplate], caps: Mapping[Resource, int]
 ) -> list[PipelineTemplate]:
     """The templates that fit ``caps`` (:func:`~sailor.planner.template_pool.fits`), in
-    order: templates that need the same GPUs (a partition on other GPU types, other
-    microbatch sizes) are checked once."""
+    order: templates that need the same GPUs (:meth:`PipelineTemplate.need`) are checked
+    once."""
     out: list[PipelineTemplate] = []
     seen: dict[int, bool] = {}
     for t in templates:
-        need = _need(t, interned)
+        need = t.need()
         ok = seen.get(id(need))
         if ok is None:
             ok = seen[id(need)] = all(caps.get(r, 0) >= n for r, n in need)
         if ok:
             out.append(t)
     return out
-
-
-def _need(t: PipelineTemplate, interned: dict[object, object]) -> tuple[tuple[Resource, int], ...]:
-    """``t.gpus_by_resource()`` as a tuple, kept on the template and interned in
-    ``interned`` (equal values, one object: a caller may key on its id while the template
-    holds it)."""
-    hit: tuple[tuple[Resource, int], ...] | None = t.__dict__.get("_need")
-    if hit is None:
-        need = tuple(t.gpus_by_resource().items())
-        hit = cast(tuple[tuple[Resource, int], ...], interned.setdefault(need, need))
-        object.__setattr__(t, "_need", hit)
-    return hit
 
 
 def _partition_groups(

@@ -244,7 +244,16 @@ def _memory(
     memory: list[dict[str, object]] = []
     mem_of: dict[tuple[int, int, int, bool, int], dict[str, object]] = {}
     distinct: list[MemoryBreakdown] = []
+    # a plan repeats one pipeline object many times (to_plan shares them): such a pipeline
+    # of one kind with the same communicators has the same rows, looked up once
+    rows_of: dict[tuple[int, int, tuple[int, ...]], list[dict[str, object]]] = {}
     for pi, (p, kind) in enumerate(zip(pipelines, kinds, strict=True)):
+        rkey = (id(p), id(kind), tuple(comms[pi]))
+        rows = rows_of.get(rkey)
+        if rows is not None:
+            memory.extend({**mb, "pipeline": pi, "stage": si} for si, mb in enumerate(rows))
+            continue
+        rows = rows_of[rkey] = []
         for si, s in enumerate(p.stages):
             g = s.replica.gpu_type
             spec = spec_of(inp.specs, g)
@@ -274,6 +283,7 @@ def _memory(
                 )
                 distinct.append(one)
                 mb = mem_of[mkey] = one.model_dump()
+            rows.append(mb)
             memory.append({**mb, "pipeline": pi, "stage": si})
             if spec is None:
                 inp.notes.add(f"no GPU spec for {g}: memory capacity unknown, not checked")
