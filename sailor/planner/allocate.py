@@ -93,10 +93,17 @@ class Allocation:
     def plan_order(self) -> list[tuple[PipelineTemplate, int]]:
         """The pipelines in the order :func:`to_plan` writes them (zone, GPU type, most
         microbatches first; stable)."""
-        return sorted(
-            self.pipelines,
-            key=lambda tm: (tm[0].stages[0].kind.zone, tm[0].stages[0].kind.gpu_type, -tm[1]),
-        )
+        # the key read once per template; the index keeps the sort stable
+        place: dict[int, tuple[str, str]] = {}
+        rows = []
+        for i, (t, m) in enumerate(self.pipelines):
+            zg = place.get(id(t))
+            if zg is None:
+                k = t.stages[0].kind
+                zg = place[id(t)] = (k.zone, k.gpu_type)
+            rows.append((zg[0], zg[1], -m, i))
+        rows.sort()
+        return [self.pipelines[r[3]] for r in rows]
 
     def plan_runs(self) -> tuple[tuple[PipelineTemplate, int], ...]:
         """:meth:`plan_order` as runs of one template: (template, pipelines in the run)."""
