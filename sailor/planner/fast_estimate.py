@@ -119,7 +119,10 @@ class SyncModel:
             pairs = {(a, kinds[(i + 1) % len(kinds)]) for i, a in enumerate(kinds)}
             if not one_each:
                 pairs |= {(a, a) for a in kinds}
-            hops = self._hops[(kinds, one_each)] = [self._hop(a, b) for a, b in pairs]
+            # hops of equal curve and efficiency take equal time: each priced once (the
+            # step is their maximum, whatever the order)
+            hops = list(dict.fromkeys(self._hop(a, b) for a, b in pairs))
+            self._hops[(kinds, one_each)] = hops
         step = 0.0
         for curve, eff in hops:
             step = max(step, curve.transfer_time(chunk) / eff)
@@ -166,8 +169,9 @@ class SyncModel:
         buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
         chunk = node_bytes / buckets / n
         step = 0.0
-        for a, b in pairs:
-            curve = self._curve(a, b)
+        # hops over equal curves take equal time: each curve priced once (the step is
+        # their maximum, whatever the order)
+        for curve in dict.fromkeys(self._curve(a, b) for a, b in pairs):
             per_step = curve.transfer_time(chunk)
             if measured is not None:
                 per_step -= curve.latency_s  # paid once per all-reduce, as measured

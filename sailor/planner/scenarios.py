@@ -145,18 +145,22 @@ class Scenario:
         # a template's sync overhead depends on the ring and the guessed pipeline count only:
         # kept on the template (a replan on a large pool finds them all)
         key = (tuple(ring), n_guess)
-        kept = [t.__dict__.setdefault("_over", {}) for t in ts]
-        missing = [t for t, d in zip(ts, kept, strict=True) if key not in d]
-        if len(missing) == len(ts):  # a new pipeline count (a replan): none is kept
+        kept: list[dict[tuple[object, ...], float] | None] = [t.__dict__.get("_over") for t in ts]
+        if not any(d is not None and key in d for d in kept):
+            # a new pipeline count (a replan): none is kept
             over = overheads_for(ts, ring, n_guess, sync_model(state), tables.grad_bytes)
             for t, d in zip(ts, kept, strict=True):
-                d[key] = over[id(t)]
+                if d is None:
+                    object.__setattr__(t, "_over", {key: over[id(t)]})
+                else:
+                    d[key] = over[id(t)]
             return cls(scenario, ts, ring, n_guess, over, gbs)
+        missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
         if missing:
             fresh = overheads_for(missing, ring, n_guess, sync_model(state), tables.grad_bytes)
             for t in missing:
                 t.__dict__["_over"][key] = fresh[id(t)]
-        over = {id(t): d[key] for t, d in zip(ts, kept, strict=True)}
+        over = {id(t): t.__dict__["_over"][key] for t in ts}
         return cls(scenario, ts, ring, n_guess, over, gbs)
 
     def partitions(self) -> dict[tuple[int, ...], list[PipelineTemplate]]:
@@ -308,9 +312,21 @@ def _partition_groups(
     """Single-GPU-type templates by partition (their last layers)."""
     groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
     for t in ts:
-        if len({s.kind.gpu_type for s in t.stages}) == 1:
-            groups.setdefault(cuts_of(t), []).append(t)
+        cuts = _one_type_cuts(t)
+        if cuts is not None:
+            groups.setdefault(cuts, []).append(t)
     return groups
+
+
+def _one_type_cuts(t: PipelineTemplate) -> tuple[int, ...] | None:
+    """The template's partition (:func:`cuts_of`) if it runs on one GPU type, else None;
+    kept on the template (a replan groups every template of a scenario in each corner)."""
+    hit: tuple[tuple[int, ...] | None] | None = t.__dict__.get("_one_type_cuts")
+    if hit is None:
+        one = len({s.kind.gpu_type for s in t.stages}) == 1
+        hit = (cuts_of(t) if one else None,)
+        object.__setattr__(t, "_one_type_cuts", hit)
+    return hit[0]
 
 
 def run_recipe(
