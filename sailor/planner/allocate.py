@@ -120,6 +120,15 @@ class Allocation:
         out: tuple[tuple[PipelineTemplate, int], ...] = r
         return out
 
+    def mapped(self, by_id: dict[int, PipelineTemplate], how: str) -> Allocation:
+        """This allocation with every template ``t`` replaced by ``by_id[id(t)]``, one
+        distinct template for each (a template re-priced in another corner: same stages'
+        kinds). Its groups and plan-order runs are this one's, mapped, not recomputed."""
+        out = Allocation(tuple((by_id[id(t)], m) for t, m in self.pipelines), how)
+        object.__setattr__(out, "_groups", tuple((by_id[id(t)], c, m) for t, c, m in self.groups()))
+        object.__setattr__(out, "_runs", tuple((by_id[id(t)], n) for t, n in self.plan_runs()))
+        return out
+
     def gpus_by_resource(self) -> dict[Resource, int]:
         out: dict[Resource, int] = {}
         for t, c, _ in self.groups():
