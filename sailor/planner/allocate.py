@@ -78,10 +78,13 @@ class Allocation:
             most: dict[int, int] = {}
             for t, m in self.pipelines:
                 k = id(t)
-                if k not in first:
-                    first[k], count[k], most[k] = t, 0, m
-                count[k] += 1
-                most[k] = max(most[k], m)
+                c = count.get(k)
+                if c is None:
+                    first[k], count[k], most[k] = t, 1, m
+                else:
+                    count[k] = c + 1
+                    if m > most[k]:
+                        most[k] = m
             g = tuple((t, count[k], most[k]) for k, t in first.items())
             object.__setattr__(self, "_groups", g)
         out: tuple[tuple[PipelineTemplate, int, int], ...] = g
@@ -90,10 +93,17 @@ class Allocation:
     def plan_order(self) -> list[tuple[PipelineTemplate, int]]:
         """The pipelines in the order :func:`to_plan` writes them (zone, GPU type, most
         microbatches first; stable)."""
-        return sorted(
-            self.pipelines,
-            key=lambda tm: (tm[0].stages[0].kind.zone, tm[0].stages[0].kind.gpu_type, -tm[1]),
-        )
+        # the key read once per template; the index keeps the sort stable
+        place: dict[int, tuple[str, str]] = {}
+        rows = []
+        for i, (t, m) in enumerate(self.pipelines):
+            zg = place.get(id(t))
+            if zg is None:
+                k = t.stages[0].kind
+                zg = place[id(t)] = (k.zone, k.gpu_type)
+            rows.append((zg[0], zg[1], -m, i))
+        rows.sort()
+        return [self.pipelines[r[3]] for r in rows]
 
     def plan_runs(self) -> tuple[tuple[PipelineTemplate, int], ...]:
         """:meth:`plan_order` as runs of one template: (template, pipelines in the run)."""
@@ -108,6 +118,15 @@ class Allocation:
             r = tuple(runs)
             object.__setattr__(self, "_runs", r)
         out: tuple[tuple[PipelineTemplate, int], ...] = r
+        return out
+
+    def mapped(self, by_id: dict[int, PipelineTemplate], how: str) -> Allocation:
+        """This allocation with every template ``t`` replaced by ``by_id[id(t)]``, one
+        distinct template for each (a template re-priced in another corner: same stages'
+        kinds). Its groups and plan-order runs are this one's, mapped, not recomputed."""
+        out = Allocation(tuple((by_id[id(t)], m) for t, m in self.pipelines), how)
+        object.__setattr__(out, "_groups", tuple((by_id[id(t)], c, m) for t, c, m in self.groups()))
+        object.__setattr__(out, "_runs", tuple((by_id[id(t)], n) for t, n in self.plan_runs()))
         return out
 
     def gpus_by_resource(self) -> dict[Resource, int]:
@@ -161,13 +180,18 @@ class PackTable:
         # resources as list indices: the packing loop runs ~50,000 times per robust search,
         # and a (type, zone, shape) key hashes its tuple at every dict lookup
         res: dict[Resource, int] = {}
-        needs = [
-            tuple((res.setdefault(r, len(res)), k) for r, k in t.gpus_by_resource().items())
-            for t in ts
-        ]
+        # templates of one need (interned: PipelineTemplate.need) share its row
+        rows: dict[int, tuple[tuple[int, int], ...]] = {}
+        needs: list[tuple[tuple[int, int], ...]] = []
+        for t in ts:
+            need = t.need()
+            row = rows.get(id(need))
+            if row is None:
+                row = rows[id(need)] = tuple((res.setdefault(r, len(res)), k) for r, k in need)
+            needs.append(row)
         least = [0] * len(res)
-        for need in needs:
-            for i, k in need:
+        for row in rows.values():
+            for i, k in row:
                 if least[i] == 0 or k < least[i]:
                     least[i] = k
         return cls(

@@ -16,6 +16,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from sailor.planner.allocate import Allocation
 from sailor.planner.pricing import GpuPricing
@@ -55,6 +56,8 @@ class SyncModel:
         self._fixed: dict[str, float] = {}
         self._effs: dict[tuple[Kind, Kind], tuple[BandwidthCurve, float]] = {}
         self._hops: dict[tuple[tuple[Kind, ...], bool], list[tuple[BandwidthCurve, float]]] = {}
+        self.interned: dict[object, object] = {}
+        """Templates' stage shapes and GPU types, one object per value (:func:`overheads_for`)."""
         self.per_gpu = tables.inputs.calibration.ring_links == "per_gpu"
         """Each rank's ring over a 1-GPU VM's curve with its own bytes (the original's)."""
 
@@ -116,7 +119,10 @@ class SyncModel:
             pairs = {(a, kinds[(i + 1) % len(kinds)]) for i, a in enumerate(kinds)}
             if not one_each:
                 pairs |= {(a, a) for a in kinds}
-            hops = self._hops[(kinds, one_each)] = [self._hop(a, b) for a, b in pairs]
+            # hops of equal curve and efficiency take equal time: each priced once (the
+            # step is their maximum, whatever the order)
+            hops = list(dict.fromkeys(self._hop(a, b) for a, b in pairs))
+            self._hops[(kinds, one_each)] = hops
         step = 0.0
         for curve, eff in hops:
             step = max(step, curve.transfer_time(chunk) / eff)
@@ -163,8 +169,9 @@ class SyncModel:
         buckets = max(1, math.ceil(elements / BUCKET_ELEMENTS))
         chunk = node_bytes / buckets / n
         step = 0.0
-        for a, b in pairs:
-            curve = self._curve(a, b)
+        # hops over equal curves take equal time: each curve priced once (the step is
+        # their maximum, whatever the order)
+        for curve in dict.fromkeys(self._curve(a, b) for a, b in pairs):
             per_step = curve.transfer_time(chunk)
             if measured is not None:
                 per_step -= curve.latency_s  # paid once per all-reduce, as measured
@@ -196,40 +203,50 @@ def overheads_for(
     cal = sync.tables.inputs.calibration
     # ring and count are fixed here: a stage's all-reduce depends on its TP degree and
     # parameters only, and the fixed cost on its GPU type (a replan prices thousands of
-    # stages of a few hundred distinct shapes; the sums below are the same additions)
+    # stages of a few hundred distinct shapes; the sums below are the same additions).
+    # Templates of one partition and TP on other GPU types have equal stage shapes: their
+    # sum is added up once (the shapes are interned, so an id is a value here)
     rings: dict[tuple[int, float], float] = {}
-    fixed_of: dict[str, float] = {}
+    sums: dict[int, float] = {}
+    fixed_of: dict[int, float] = {}
     for t in templates:
-        shapes, gpu_types, update = _sync_shape(t)
-        ar = 0.0
-        for key in shapes:
-            hit = rings.get(key)
-            if hit is None:
-                tp, params = key
-                nb = sync.node_bytes(tp, params, param_bytes)
-                hit = rings[key] = sync.ring_time(ring, n_pipes, nb, params)
-            ar += hit
-        fixed = -math.inf
-        for g in gpu_types:
-            f = fixed_of.get(g)
-            if f is None:
-                f = fixed_of[g] = cal.for_gpu(g).sync_fixed_s
-            fixed = max(fixed, f)
+        shapes, gpu_types, update = _sync_shape(t, sync.interned)
+        ar = sums.get(id(shapes))
+        if ar is None:
+            ar = 0.0
+            for key in shapes:
+                hit = rings.get(key)
+                if hit is None:
+                    tp, params = key
+                    nb = sync.node_bytes(tp, params, param_bytes)
+                    hit = rings[key] = sync.ring_time(ring, n_pipes, nb, params)
+                ar += hit
+            sums[id(shapes)] = ar
+        fixed = fixed_of.get(id(gpu_types))
+        if fixed is None:
+            fixed = -math.inf
+            for g in gpu_types:
+                fixed = max(fixed, cal.for_gpu(g).sync_fixed_s)
+            fixed_of[id(gpu_types)] = fixed
         out[id(t)] = fixed + ar + update
     return out
 
 
-def _sync_shape(
-    t: PipelineTemplate,
-) -> tuple[tuple[tuple[int, float], ...], tuple[str, ...], float]:
+_SyncShape = tuple[tuple[tuple[int, float], ...], tuple[str, ...], float]
+
+
+def _sync_shape(t: PipelineTemplate, interned: dict[object, object]) -> _SyncShape:
     """What :func:`overheads_for` reads of a template, kept on it: its stages' (TP degree,
-    parameters) in order, its GPU types, and its slowest optimizer step."""
-    hit: tuple[tuple[tuple[int, float], ...], tuple[str, ...], float] | None
-    hit = t.__dict__.get("_sync_shape")
+    parameters) in order, its GPU types, and its slowest optimizer step. The first two are
+    interned in ``interned`` (equal values, one object), so that callers may key on their
+    ids while the templates hold them."""
+    hit: _SyncShape | None = t.__dict__.get("_sync_shape")
     if hit is None:
+        shapes = tuple((s.kind.tp, s.params) for s in t.stages)
+        types = tuple(dict.fromkeys(s.kind.gpu_type for s in t.stages))
         hit = (
-            tuple((s.kind.tp, s.params) for s in t.stages),
-            tuple(dict.fromkeys(s.kind.gpu_type for s in t.stages)),
+            cast(tuple[tuple[int, float], ...], interned.setdefault(shapes, shapes)),
+            cast(tuple[str, ...], interned.setdefault(types, types)),
             max(s.update_s for s in t.stages),
         )
         object.__setattr__(t, "_sync_shape", hit)

@@ -12,6 +12,8 @@ group finds no node. Pure; never places anything.
 
 from __future__ import annotations
 
+from itertools import islice
+
 from sailor.schemas import Plan, Pool
 
 __all__ = ["unplaceable"]
@@ -39,7 +41,7 @@ def unplaceable(plan: Plan, pool: Pool) -> str | None:
         while lo < len(ids) and free[ids[lo]] == 0:
             lo += 1
         cursor[key] = lo
-        return next((i for i in ids[lo:] if free[i] >= tp), None)
+        return next((i for i in islice(ids, lo, None) if free[i] >= tp), None)
 
     for pi, p in enumerate(plan.pipelines):
         for si, s in enumerate(p.stages):

@@ -74,9 +74,7 @@ def closed_form_figures(
         if r is None or any(st.memory_bytes > tables.capacity(st.kind.gpu_type) for st in r.stages):
             return None
         by_id[id(t)] = r
-    f = closed_form(
-        state, Allocation(tuple((by_id[id(t)], m) for t, m in alloc.pipelines), alloc.how)
-    )
+    f = closed_form(state, alloc.mapped(by_id, alloc.how))
     thr = 1.0 / f.iteration_s
     return Figures(thr, f.cost_per_iter, tuple(cons.limit_violations(thr, f.cost_per_iter, cph)))
 

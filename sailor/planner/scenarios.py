@@ -35,7 +35,6 @@ from sailor.planner.template_pool import (
     SMALL_POOL_GPUS,
     SearchState,
     cuts_of,
-    fits,
     rate,
 )
 from sailor.planner.templates import PipelineTemplate
@@ -137,7 +136,7 @@ class Scenario:
         scenario: dict[Resource, int],
     ) -> Scenario | None:
         tables = state.tables
-        ts = [t for t in templates if fits(t, scenario)]
+        ts = _fitting(templates, scenario)
         if not ts:
             return None
         gbs = tables.inputs.model.global_batch_size
@@ -146,6 +145,16 @@ class Scenario:
         # a template's sync overhead depends on the ring and the guessed pipeline count only:
         # kept on the template (a replan on a large pool finds them all)
         key = (tuple(ring), n_guess)
+        kept: list[dict[tuple[object, ...], float] | None] = [t.__dict__.get("_over") for t in ts]
+        if not any(d is not None and key in d for d in kept):
+            # a new pipeline count (a replan): none is kept
+            over = overheads_for(ts, ring, n_guess, sync_model(state), tables.grad_bytes)
+            for t, d in zip(ts, kept, strict=True):
+                if d is None:
+                    object.__setattr__(t, "_over", {key: over[id(t)]})
+                else:
+                    d[key] = over[id(t)]
+            return cls(scenario, ts, ring, n_guess, over, gbs)
         missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
         if missing:
             fresh = overheads_for(missing, ring, n_guess, sync_model(state), tables.grad_bytes)
@@ -279,15 +288,45 @@ def _recipes(
     return out
 
 
+def _fitting(
+    templates: Sequence[PipelineTemplate], caps: Mapping[Resource, int]
+) -> list[PipelineTemplate]:
+    """The templates that fit ``caps`` (:func:`~sailor.planner.template_pool.fits`), in
+    order: templates that need the same GPUs (:meth:`PipelineTemplate.need`) are checked
+    once."""
+    out: list[PipelineTemplate] = []
+    seen: dict[int, bool] = {}
+    for t in templates:
+        need = t.need()
+        ok = seen.get(id(need))
+        if ok is None:
+            ok = seen[id(need)] = all(caps.get(r, 0) >= n for r, n in need)
+        if ok:
+            out.append(t)
+    return out
+
+
 def _partition_groups(
     ts: Sequence[PipelineTemplate],
 ) -> dict[tuple[int, ...], list[PipelineTemplate]]:
     """Single-GPU-type templates by partition (their last layers)."""
     groups: dict[tuple[int, ...], list[PipelineTemplate]] = {}
     for t in ts:
-        if len({s.kind.gpu_type for s in t.stages}) == 1:
-            groups.setdefault(cuts_of(t), []).append(t)
+        cuts = _one_type_cuts(t)
+        if cuts is not None:
+            groups.setdefault(cuts, []).append(t)
     return groups
+
+
+def _one_type_cuts(t: PipelineTemplate) -> tuple[int, ...] | None:
+    """The template's partition (:func:`cuts_of`) if it runs on one GPU type, else None;
+    kept on the template (a replan groups every template of a scenario in each corner)."""
+    hit: tuple[tuple[int, ...] | None] | None = t.__dict__.get("_one_type_cuts")
+    if hit is None:
+        one = len({s.kind.gpu_type for s in t.stages}) == 1
+        hit = (cuts_of(t) if one else None,)
+        object.__setattr__(t, "_one_type_cuts", hit)
+    return hit[0]
 
 
 def run_recipe(

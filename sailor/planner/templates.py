@@ -55,6 +55,12 @@ class StageTemplate(NamedTuple):
     memory_bytes: float  # peak with S - s microbatches in flight
 
 
+_NeedT = tuple[tuple[tuple[str, str, int], int], ...]
+_NEEDS: dict[_NeedT, _NeedT] = {}
+"""Interned :meth:`PipelineTemplate.need` values (a pool has a few dozen distinct ones)."""
+_NEEDS_KEPT = 4096
+
+
 @dataclass(frozen=True)
 class PipelineTemplate:
     """A pipeline shape with its per-microbatch figures."""
@@ -87,6 +93,19 @@ class PipelineTemplate:
                 out[k] = out.get(k, 0) + s.kind.tp
             object.__setattr__(self, "_res", out)
         return out
+
+    def need(self) -> _NeedT:
+        """:meth:`gpus_by_resource`'s items as a tuple, kept. Equal needs are one object
+        (interned), so a caller may key on its id while the templates hold it: templates
+        of one shape on other partitions or microbatch sizes are checked once."""
+        hit: _NeedT | None = self.__dict__.get("_need")
+        if hit is None:
+            need = tuple(self.gpus_by_resource().items())
+            if len(_NEEDS) > _NEEDS_KEPT:
+                _NEEDS.clear()  # only sharing is lost: a caller's id is held by its template
+            hit = _NEEDS.setdefault(need, need)
+            object.__setattr__(self, "_need", hit)
+        return hit
 
     def pipe_time(self, m: int) -> float:
         """1F1B closed form for ``m`` microbatches (the simulator's)."""

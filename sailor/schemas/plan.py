@@ -301,18 +301,31 @@ class Plan(Frozen):
 
 def layer_segments(plan: Plan) -> list[Segment]:
     """Common refinement of every pipeline's partition, with the holders of each segment."""
+    # a plan repeats pipeline objects (a large plan is hundreds of copies of a few): each
+    # distinct one is read once, for its cuts and the stage holding each segment
+    distinct = {id(p): p for p in plan.pipelines}
     cuts: set[int] = set()
-    for p in plan.pipelines:
+    for p in distinct.values():
         for s in p.stages:
             cuts.add(s.first_layer)
     bounds = [*sorted(cuts), plan.num_layers]
+    spans = list(itertools.pairwise(bounds))
+    holding: dict[int, list[int | None]] = {}
+    for k, p in distinct.items():
+        holding[k] = [
+            next(
+                (
+                    si
+                    for si, s in enumerate(p.stages)
+                    if s.first_layer <= a and b - 1 <= s.last_layer
+                ),
+                None,
+            )
+            for a, b in spans
+        ]
+    rows = [holding[id(p)] for p in plan.pipelines]
     out: list[Segment] = []
-    for a, b in itertools.pairwise(bounds):
-        holders: list[tuple[int, int]] = []
-        for pi, p in enumerate(plan.pipelines):
-            for si, s in enumerate(p.stages):
-                if s.first_layer <= a and b - 1 <= s.last_layer:
-                    holders.append((pi, si))
-                    break
-        out.append(Segment(first_layer=a, last_layer=b - 1, holders=tuple(holders)))
+    for j, (a, b) in enumerate(spans):
+        holders = tuple((pi, row[j]) for pi, row in enumerate(rows) if row[j] is not None)
+        out.append(Segment(first_layer=a, last_layer=b - 1, holders=holders))
     return out

@@ -8,6 +8,7 @@ the term was missing no longer does, with the term in its breakdown.
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 from pathlib import Path
@@ -229,3 +230,35 @@ def test_a_plan_that_fitted_without_the_term_does_not_with_it() -> None:
     assert not iv.fits_in_memory
     pessimistic = next(c for c in iv.corners if c.corner == "pessimistic")
     assert not pessimistic.fits_in_memory and pessimistic.peak_memory_bytes > capacity
+
+
+def test_a_plan_simulated_in_every_corner_counts_its_communicators_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The communicators depend on the plan's layout and the process groups only: a plan
+    simulated in the four corners counts them once (the robust planner's case), another
+    plan object or other process groups count again, and the figures are those of a count
+    made afresh."""
+    from tests.unit.test_simulator_simulate import _pipe
+    from tests.unit.test_simulator_simulate import _plan as sim_plan
+
+    sim_mod = importlib.import_module("sailor.simulator.simulate")  # the module, not simulate()
+    calls: list[str] = []
+
+    def counted(plan: Plan, groups: str, tie: bool) -> tuple[tuple[int, ...], ...]:
+        calls.append(groups)
+        return stage_communicators(plan, groups, tie)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_mod, "stage_communicators", counted)
+    plan = sim_plan(_pipe([2, 5], 1, 4), _pipe([3], 2, 4))
+    cal = _cal(GB, 2 * GB)
+    ests = [_sim(plan, calibration=c) for _, c in corners(cal)]
+    assert calls == ["engine"]
+    other = plan.model_copy()
+    _sim(other, calibration=cal)
+    md = cal.model_copy(update={"process_groups": "megatron_deepspeed"})
+    _sim(plan, calibration=md)
+    assert calls == ["engine", "engine", "megatron_deepspeed"]
+    sim_mod._COMMUNICATORS.clear()
+    fresh = [_sim(plan, calibration=c) for _, c in corners(cal)]
+    assert fresh == ests and len(calls) == 4
