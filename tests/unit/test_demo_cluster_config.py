@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sailor.cli.demo.cluster import DemoCluster
+from sailor.agent.cgroup_layout import cgroup_relpath
+from sailor.cli.demo.cluster import DemoCluster, run_job
 from sailor.cli.demo.processes import ProcessRegistry
+from sailor.coordination.names import check_job
 from sailor.localservers import Identities, LocalServers, ServerProcess
 
 
@@ -40,3 +42,18 @@ def test_prior_profiles_network_and_quota_period(tmp_path: Path) -> None:
     assert c.controller_config().profiles == prior and c.controller_config().network == net
     cfg = c.agent_config("n1", "cpu-slow", 0.4)
     assert cfg.cpu_quota == 0.4 and cfg.cpu_quota_period_us == 20_000
+
+
+def test_each_run_has_a_job_of_its_own_and_its_nodes_a_cgroup_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """Two demos at once under one job name shared the nodes' CPU quota cgroups
+    (``sailor/<job>/<node>`` on the host): each suspended and resumed the other's workers."""
+    jobs = {run_job() for _ in range(20)}
+    assert len(jobs) == 20
+    for job in jobs:
+        assert check_job(job) == job and job.startswith("demo-")
+    a, b = sorted(jobs)[:2]
+    assert cgroup_relpath(a, "n1") != cgroup_relpath(b, "n1")
+    c = _cluster(tmp_path, job=a)
+    assert c.controller_config().job == a and c.agent_config("n1", "cpu-slow", 0.4).job == a

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -35,9 +36,19 @@ from sailor.durable import write_durably
 from sailor.localservers import LocalServers
 from sailor.schemas.hardware import NodeSpec
 
-__all__ = ["CONTROLLER", "JOB", "DemoCluster", "node_names"]
+__all__ = ["CONTROLLER", "JOB", "DemoCluster", "node_names", "run_job"]
 
 JOB = "demo"
+
+
+def run_job() -> str:
+    """A job name of one demo run's own (``demo-`` and 6 hex digits): a node's CPU quota
+    cgroup is ``sailor/<job>/<node>`` on the host (``agent/cgroup_layout.py``), and two
+    demos at once under one name shared n1..n4's, each suspending and resuming the other's
+    workers."""
+    return f"{JOB}-{secrets.token_hex(3)}"
+
+
 CONTROLLER = "demo-controller"
 _SAILOR = (sys.executable, "-m", "sailor.cli.main")
 

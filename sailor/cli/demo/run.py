@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.live import Live
 
-from sailor.cli.demo.cluster import CONTROLLER, JOB, DemoCluster, node_names
+from sailor.cli.demo.cluster import CONTROLLER, DemoCluster, node_names, run_job
 from sailor.cli.demo.kinds import demo_kinds, write_prior
 from sailor.cli.demo.layouts import layouts
 from sailor.cli.demo.model import CORPUS, prepare_demo
@@ -184,7 +184,8 @@ def run_demo(
             nodes = node_names(settings.initial_nodes)
             kinds = demo_kinds(nodes)
             _say_kinds(con, kinds, quota)
-            servers = start_servers(reg, tmp, JOB, CONTROLLER, nodes)
+            job = run_job()
+            servers = start_servers(reg, tmp, job, CONTROLLER, nodes)
             con.print(
                 f"  nats-server {servers.nats_url}, etcd {servers.etcd_endpoint} (TLS, logins, "
                 f"permissions, RBAC); run dir {tmp}"
@@ -202,6 +203,7 @@ def run_demo(
                 calibration_file=write_prior(tmp / "prior-calibration.json", kinds),
                 quota_from="ready",
                 in_place=settings.in_place,
+                job=job,
             )
             con.print(
                 f"  training: GPT-2 (transformers config) on {CORPUS!r}, "
