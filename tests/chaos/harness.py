@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -341,7 +342,10 @@ class ChaosRun:
         def spawn(name: str, argv: Sequence[str], _log: Path) -> subprocess.Popen[bytes]:
             return self.reg.start(name, argv)
 
-        ids = Identities(jobs=(JOB,), controllers=CONTROLLERS, agents=NODES)
+        # a job of the run's own: its nodes' CPU quota cgroups (sailor/<job>/<node> on the
+        # host) are then its own when two scenarios run at once (make test's workers)
+        self.job = f"{JOB}-{secrets.token_hex(3)}"
+        ids = Identities(jobs=(self.job,), controllers=CONTROLLERS, agents=NODES)
         try:
             n_nats, n_etcd = self.cluster_sizes
             self.servers = start_local_servers(
@@ -364,7 +368,7 @@ class ChaosRun:
                 root=self.root,
                 global_batch_size=GBS,
                 min_step_s=self.settings.min_step_s,
-                job=JOB,
+                job=self.job,
                 **options,
             )
             self.drive = Driver(cluster=self.cluster, settings=self.settings, t0=self.t0)
