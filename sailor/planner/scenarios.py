@@ -43,6 +43,7 @@ from sailor.simulator.network_model import ring_order
 
 __all__ = [
     "MIXED_ALL",
+    "OVERHEADS_KEPT",
     "Scenario",
     "closed_form",
     "run_recipe",
@@ -113,6 +114,20 @@ def scenarios_of(caps: Mapping[Resource, int]) -> list[dict[Resource, int]]:
     return out
 
 
+OVERHEADS_KEPT = 8
+"""Sync overheads a template keeps, by (ring, guessed pipeline count): the last ones asked
+for. A controller replans its pool for days as nodes come and go, and each pool size guesses
+its own count: unbounded, the templates' dicts grew with every size seen. One dropped is
+computed again when asked (the same figure)."""
+
+
+def _keep(kept: dict[tuple[object, ...], float], key: tuple[object, ...], value: float) -> None:
+    """``kept[key] = value``, the oldest entries dropped beyond :data:`OVERHEADS_KEPT`."""
+    kept[key] = value
+    while len(kept) > OVERHEADS_KEPT:
+        del kept[next(iter(kept))]
+
+
 @dataclass
 class Scenario:
     """One scenario's templates and their sync overheads, shared by its recipes."""
@@ -153,13 +168,13 @@ class Scenario:
                 if d is None:
                     object.__setattr__(t, "_over", {key: over[id(t)]})
                 else:
-                    d[key] = over[id(t)]
+                    _keep(d, key, over[id(t)])
             return cls(scenario, ts, ring, n_guess, over, gbs)
         missing = [t for t in ts if key not in t.__dict__.setdefault("_over", {})]
         if missing:
             fresh = overheads_for(missing, ring, n_guess, sync_model(state), tables.grad_bytes)
             for t in missing:
-                t.__dict__["_over"][key] = fresh[id(t)]
+                _keep(t.__dict__["_over"], key, fresh[id(t)])
         over = {id(t): t.__dict__["_over"][key] for t in ts}
         return cls(scenario, ts, ring, n_guess, over, gbs)
 

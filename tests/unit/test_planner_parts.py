@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from sailor.planner import Constraints, moved_layers, replan, search
 from sailor.planner.allocate import assign_microbatches
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
+from sailor.planner.scenarios import OVERHEADS_KEPT
 from sailor.planner.tables import CostTables, Inputs, Kind
 from sailor.planner.templates import PipelineTemplate, best_partitions, fixed_kinds, with_cuts
 from sailor.schemas import Calibration, Endpoint, Pipeline, Plan, Stage
@@ -370,3 +371,31 @@ def test_closed_form_equals_the_simulator_on_spec_sheet_links_at_an_unprofiled_t
         specs={g: s.model_copy(update={"intra_node_link": link}) for g, s in env.specs.items()},
     )
     _closed_form_agrees(env, cal, gpus)
+
+
+def test_a_template_keeps_its_last_sync_overheads_only_and_a_dropped_one_comes_back_alike() -> None:
+    """Each pool size guesses its own pipeline count, and a template kept one sync overhead
+    per count for as long as the controller ran (its replans over days of joins and leaves):
+    it keeps the last OVERHEADS_KEPT. One asked for again after it was dropped is the same
+    figure, and so is the plan."""
+    env = make_env(gbs=1024)  # the guessed count follows the pool, not the batch
+    first = search(
+        **env.kw(), pool=make_pool({("fast", ZONE): 40, ("slow", ZONE): 40}), gpu_specs=env.specs
+    )  # type: ignore[arg-type]
+    templates = [t for ts in first.state.template_sets.values() for t in ts]
+    seen: dict[tuple[int, tuple[object, ...]], float] = {}
+    prev = first
+    for fast in [*range(40, 20, -2), 40]:  # ten sizes, then back to the first
+        prev = replan(prev, make_pool({("fast", ZONE): fast, ("slow", ZONE): 40}))
+        for t in templates:
+            for key, value in t.__dict__.get("_over", {}).items():
+                assert seen.setdefault((id(t), key), value) == value  # recomputed alike
+    assert all(len(t.__dict__.get("_over", {})) <= OVERHEADS_KEPT for t in templates)
+    asked: dict[int, int] = {}
+    for tid, _ in seen:
+        asked[tid] = asked.get(tid, 0) + 1
+    assert max(asked.values()) > OVERHEADS_KEPT  # a template was asked for more than kept
+    full = search(
+        **env.kw(), pool=make_pool({("fast", ZONE): 40, ("slow", ZONE): 40}), gpu_specs=env.specs
+    )  # type: ignore[arg-type]
+    assert prev.plans[0].plan == full.plans[0].plan
