@@ -45,7 +45,10 @@ async def test_stuck_work_times_out_its_wait_and_work_behind_it_is_dropped() -> 
         # the wait behind it names the work that holds the thread, and for how long (before:
         # only itself, as if its own file had not answered)
         assert late.value.holder == "error file x unreadable"
-        assert 0.3 <= late.value.holder_s < 2.0
+        # the two waits were 0.2 + 0.1 s; the holder started in the thread after the first
+        # wait began, and asyncio fires a timer up to its clock resolution early (a
+        # fresh-clone CI read 0.2985 s)
+        assert 0.25 <= late.value.holder_s < 2.0
         assert "the thread is still on error file x unreadable, for " in str(late.value)
         release.set()
         assert await io.run(lambda: ran.append("now") or ran, "control not written", 5.0) == ["now"]
