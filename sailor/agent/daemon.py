@@ -99,6 +99,14 @@ PUBLISH_BACKOFF_MAX_S = 2.0
 ~12 tries, and one try soon after NATS is back (each try waits up to 2 s for the stream)."""
 
 
+def _log_retry(event: str, tries: int, exc: Exception, **fields: object) -> None:
+    """Log a failed try of ``tries`` so far: the first, then every
+    :data:`RETRY_LOG_EVERY`-th (an agent that cannot reach a server says so, without a line
+    every half second)."""
+    if tries == 1 or tries % RETRY_LOG_EVERY == 0:
+        _log.warning(event, tries=tries, error=str(exc)[:300], **fields)
+
+
 class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
     """The agent of one node."""
 
@@ -324,15 +332,14 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 return await make()
             except TemporaryError as exc:
                 tries += 1
-                if tries == 1 or tries % RETRY_LOG_EVERY == 0:
-                    _log.warning(
-                        "connect_retry",
-                        node=self.node.node_id,
-                        server=server,
-                        tries=tries,
-                        waited_s=round(time.monotonic() - t0, 1),
-                        error=str(exc)[:300],
-                    )
+                _log_retry(
+                    "connect_retry",
+                    tries,
+                    exc,
+                    node=self.node.node_id,
+                    server=server,
+                    waited_s=round(time.monotonic() - t0, 1),
+                )
                 await self.clock.sleep(0.5)
         return None
 
@@ -404,13 +411,7 @@ class Agent(AgentCommands, AgentCpuQuota, AgentNodeCheck):
                 ttl = None if held is None else await self._lease_ttl(held.lease)
             except TemporaryError as exc:
                 failed += 1
-                if failed == 1 or failed % RETRY_LOG_EVERY == 0:
-                    _log.warning(
-                        "node_claim_retry",
-                        node=self.node.node_id,
-                        tries=failed,
-                        error=str(exc)[:300],
-                    )
+                _log_retry("node_claim_retry", failed, exc, node=self.node.node_id)
                 deadline = lapsed = None
                 await self.clock.sleep(0.3)
                 continue
