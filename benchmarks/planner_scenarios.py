@@ -39,7 +39,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from planner_common import REFERENCE, Setup, load, machine, pool
@@ -48,7 +48,7 @@ from sailor.catalog import deployment as catalog_deployment
 from sailor.importers.sailor_format import ImportFormatError, plan_from_dict
 from sailor.planner import Constraints, NoFeasiblePlanError
 from sailor.planner.baselines import heterogeneity_blind, megatron_grid
-from sailor.planner.robust import RISKS, judge_in_corners, robust_search
+from sailor.planner.robust import RISKS, Risk, judge_in_corners, robust_search
 from sailor.schemas import Estimate, Plan
 from sailor.simulator.uncertainty import CORNERS
 
@@ -166,19 +166,7 @@ def run(
         cpu: dict[str, float] = {}
         for risk in RISKS:
             res, _, c = _timed_cpu(
-                lambda risk=risk, p=p, cons=cons, obj=obj: robust_search(
-                    s.model,
-                    s.profiles,
-                    p,
-                    s.network,
-                    s.prices,
-                    obj,
-                    cons,
-                    gpu_specs=s.specs,
-                    calibration=s.calibration,
-                    risk=risk,
-                    top_k=1,
-                )
+                lambda risk=risk, p=p, cons=cons, obj=obj: _robust(s, p, obj, cons, risk, 1)
             )
             cpu[risk] = c
             plans[f"ours {risk}"] = res.plans[0].plan if res.plans else f"none: {res.reason}"
@@ -236,15 +224,37 @@ def run(
                 mine = judged.get(f"ours {risk}")
                 if mine is None:
                     continue
-                ratio = {
-                    c: (_value(o[c], True) / _value(mine[c], True))
-                    if cost
-                    else (_value(mine[c], False) / _value(o[c], False))
-                    for c in CORNERS
-                }
-                row[f"ratio {risk}"] = ratio
+                row[f"ratio {risk}"] = _ratios(mine, o, cost)
         rows.append(row)
     return rows
+
+
+def _robust(s: Setup, p: Any, obj: Any, cons: Constraints, risk: Risk, top_k: int) -> Any:
+    """``robust_search`` of the scenario at ``risk``, its ``top_k`` plans."""
+    return robust_search(
+        s.model,
+        s.profiles,
+        p,
+        s.network,
+        s.prices,
+        obj,
+        cons,
+        gpu_specs=s.specs,
+        calibration=s.calibration,
+        risk=risk,
+        top_k=top_k,
+    )
+
+
+def _ratios(mine: Mapping[str, Any], original: Mapping[str, Any], cost: bool) -> dict[str, float]:
+    """Per corner, ours against the original's (an ``Estimate`` or ``CornerFigures`` each):
+    it/s ours / original, or $ original / ours for the cost scenario; > 1: ours is better."""
+    return {
+        c: (original[c].cost_per_iter_usd / mine[c].cost_per_iter_usd)
+        if cost
+        else (mine[c].throughput_iter_s / original[c].throughput_iter_s)
+        for c in CORNERS
+    }
 
 
 def _dominance(
@@ -259,30 +269,10 @@ def _dominance(
     meets the constraints in every corner (``robust_search`` with a large ``top_k``: each is
     simulated in every corner), its ratio to the original's plan per corner: how many are
     >= 1.0x the original's in every corner, and the best median-corner ratio among those."""
-    res = robust_search(
-        s.model,
-        s.profiles,
-        p,
-        s.network,
-        s.prices,
-        obj,
-        cons,
-        gpu_specs=s.specs,
-        calibration=s.calibration,
-        risk="robust",
-        top_k=64,
-    )
-    ratios = []
-    for rp in res.plans:
-        fig = {c.corner: c for c in rp.interval.corners}
-        ratios.append(
-            {
-                c: (original[c].cost_per_iter_usd / fig[c].cost_per_iter_usd)
-                if cost
-                else (fig[c].throughput_iter_s / original[c].throughput_iter_s)
-                for c in CORNERS
-            }
-        )
+    res = _robust(s, p, obj, cons, "robust", 64)
+    ratios = [
+        _ratios({c.corner: c for c in rp.interval.corners}, original, cost) for rp in res.plans
+    ]
     dom = [r for r in ratios if min(r.values()) >= 1.0]
     return {
         "kept": len(ratios),
