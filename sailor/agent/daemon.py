@@ -35,7 +35,6 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -49,7 +48,7 @@ from sailor.agent.node_join import AgentNodeCheck, host_port, node_address, regi
 from sailor.agent.plan_source import PlanSource, PlanUnavailableError
 from sailor.agent.release import sailor_release
 from sailor.agent.supervisor import Supervisor
-from sailor.agent.teardown import boot_ticks
+from sailor.agent.teardown import boot_ticks, start_ticks
 from sailor.agent.watchers import GCP_NOTICE_S, Notice, PreemptionWatcher, make_watcher
 from sailor.coordination import (
     Clock,
@@ -782,9 +781,8 @@ def process_age_s() -> float | None:
     """Seconds since this process started (its interpreter's start and imports included:
     on a loaded 2-core host most of an agent's time to register); None where ``/proc`` has
     no answer."""
-    try:
-        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+    started = start_ticks()
+    if started is None:
         return None
     return round((boot_ticks() - started) / os.sysconf("SC_CLK_TCK"), 2)
 

@@ -36,6 +36,7 @@ __all__ = [
     "boot_id",
     "boot_ticks",
     "group_members",
+    "start_ticks",
     "teardown_verdict",
 ]
 
@@ -75,6 +76,13 @@ def boot_ticks() -> int:
     """Now, in the unit of a process's start time in ``/proc/<pid>/stat`` (field 22: clock
     ticks since boot, counted on ``CLOCK_BOOTTIME``)."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def start_ticks(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in :func:`boot_ticks`' unit (field 22 of its ``stat``);
+    None if ``/proc`` has no answer (it ended, or there is no ``/proc``)."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return int(fields[19]) if len(fields) >= 20 and fields[19].isdigit() else None
 
 
 def boot_id() -> str:
