@@ -35,6 +35,7 @@ from sailor.planner.template_pool import (
     SMALL_POOL_GPUS,
     SearchState,
     cuts_of,
+    fits,
     rate,
 )
 from sailor.planner.templates import PipelineTemplate
@@ -315,7 +316,7 @@ def _fitting(
         need = t.need()
         ok = seen.get(id(need))
         if ok is None:
-            ok = seen[id(need)] = all(caps.get(r, 0) >= n for r, n in need)
+            ok = seen[id(need)] = fits(t, caps)
         if ok:
             out.append(t)
     return out
